@@ -1,0 +1,29 @@
+"""remat_fx: explicit, named activation rematerialization for PyTorch.
+
+    import remat_fx as remat
+    y = remat.checkpoint()(block)(x)
+"""
+from remat_fx.policy import CheckpointPolicy
+from remat_fx.runtime.checkpoint import checkpoint
+from remat_fx.runtime.handle import RematHandle, get_handle
+from remat_fx.runtime.offload import CPUOffloader, use_offloader
+from remat_fx.runtime.ops import auto_forward, native_op, op
+from remat_fx.runtime.placeholder import Placeholder
+from remat_fx.runtime.report import MemoryReport, SavedEntry, memory_report
+
+__all__ = [
+    "CPUOffloader",
+    "CheckpointPolicy",
+    "MemoryReport",
+    "Placeholder",
+    "RematHandle",
+    "SavedEntry",
+    "auto_forward",
+    "checkpoint",
+    "get_handle",
+    "memory_report",
+    "native_op",
+    "op",
+    "use_offloader",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,78 @@
+"""One naming scheme for both modes: remat names and the globs that select them.
+
+A remat name is a dotted string such as ``layers.3.attn.qkv``; it must be unique
+inside one checkpoint region. Globs use :mod:`fnmatch` syntax (``*.qkv``,
+``layers.[0-3].*``) and are matched against the full name.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Iterable, Optional, Sequence
+
+_KINDS = ("SAVE", "OFFLOAD", "RECOMPUTE")
+
+
+def _as_patterns(value, option: str) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    try:
+        pats = tuple(value)
+    except TypeError:
+        raise ValueError(f"option {option!r} must be a glob string or a list of them, got {value!r}") from None
+    for p in pats:
+        if not isinstance(p, str):
+            raise ValueError(f"option {option!r} must hold glob strings, got {p!r}")
+    return pats
+
+
+class NameGlobs:
+    """Maps names to a policy name through ``save``/``offload``/``recompute`` globs.
+
+    When several kinds match, the order is RECOMPUTE > OFFLOAD > SAVE: asking to
+    recompute is the memory-safe choice, so it wins a conflict.
+    """
+
+    __slots__ = ("save", "offload", "recompute", "_cache")
+
+    def __init__(self, save: Iterable[str] = (), offload: Iterable[str] = (), recompute: Iterable[str] = ()):
+        self.save = _as_patterns(save, "save")
+        self.offload = _as_patterns(offload, "offload")
+        self.recompute = _as_patterns(recompute, "recompute")
+        self._cache: dict = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.save or self.offload or self.recompute)
+
+    def match(self, name: str) -> Optional[str]:
+        try:
+            return self._cache[name]
+        except KeyError:
+            pass
+        found = None
+        for kind, pats in (("RECOMPUTE", self.recompute), ("OFFLOAD", self.offload), ("SAVE", self.save)):
+            if any(fnmatch.fnmatchcase(name, p) for p in pats):
+                found = kind
+                break
+        self._cache[name] = found
+        return found
+
+
+def join(*parts: Optional[str]) -> str:
+    """Join name parts with dots, skipping empty ones."""
+    return ".".join(p for p in parts if p)
+
+
+def callable_name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def check_name(name, what: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{what}: the op name must be a non-empty string, got {name!r}")
+    return name
+
+
+def unique_names(names: Sequence[str]) -> bool:
+    return len(set(names)) == len(names)

@@ -1,0 +1,1 @@
+"""Eager mode: the named tape (see remat_fx/__init__.py for the public names)."""

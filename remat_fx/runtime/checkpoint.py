@@ -1,0 +1,178 @@
+"""remat.checkpoint()(fn)(*args): the region boundary.
+
+Built on PyTorch's non-reentrant checkpoint (saved-tensor hooks, RNG and
+autocast replay, nesting). On top of it a region gets a named :class:`Tape`, and
+its recompute starts as soon as the region's backward begins: a tiny trigger
+node saved last inside the region is unpacked by a gradient hook on the
+region's outputs, which makes PyTorch recompute the whole region at once.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from remat_fx.naming import NameGlobs, callable_name
+from remat_fx.policy import CheckpointPolicy
+from remat_fx.runtime.handle import RematHandle
+from remat_fx.runtime.offload import resolve_offloader
+from remat_fx.runtime.tape import _ACTIVE, FORWARD, Tape, active_tape
+
+_OPTIONS = {
+    "preserve_rng_state": "replay the CPU/CUDA RNG state in recompute (default True)",
+    "determinism_check": "PyTorch's check of recomputed tensor metadata: 'default' or 'none'",
+    "debug": "PyTorch checkpoint debug traces on mismatch (default False)",
+    "save": "glob(s) of op names to SAVE in this region, overriding their call sites",
+    "offload": "glob(s) of op names to OFFLOAD in this region",
+    "recompute": "glob(s) of op names to RECOMPUTE in this region",
+    "offloader": "the offloader OFFLOAD ops in this region use (pack/unpack[/prefetch])",
+}
+TAPE_KEY = "remat_fx.tapes"
+
+
+def checkpoint(name=None, /, **options):
+    """``remat.checkpoint(name=None, **options)(fn)(*args, **kwargs)``.
+
+    The first call binds options, the second the function, the third the arguments.
+    """
+    if callable(name):
+        raise TypeError(
+            "remat.checkpoint takes options, not the function: write "
+            f"remat.checkpoint()({callable_name(name)})(*args) (or remat.checkpoint('name', **options)(fn)(*args)). "
+            "The empty call is required so it is not mistaken for torch.utils.checkpoint.checkpoint(fn, *args)."
+        )
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"remat.checkpoint: name must be a string, got {type(name).__name__}")
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        valid = "\n".join(f"  {k}: {v}" for k, v in _OPTIONS.items())
+        raise TypeError(f"remat.checkpoint: unknown option(s) {unknown}; valid options are:\n{valid}")
+    if options.get("determinism_check", "default") not in ("default", "none"):
+        raise ValueError("remat.checkpoint: determinism_check must be 'default' or 'none', "
+                         f"got {options['determinism_check']!r}")
+
+    def bind(fn):
+        if not callable(fn):
+            raise TypeError(f"remat.checkpoint(...) must be applied to a callable, got {type(fn).__name__}")
+        return Checkpointed(fn, name, options)
+
+    return bind
+
+
+class Checkpointed:
+    """A function bound to checkpoint options; call it with the function's arguments."""
+
+    def __init__(self, fn, name, options):
+        self.fn = fn
+        self.name = name if name is not None else callable_name(fn)
+        self.globs = NameGlobs(options.get("save"), options.get("offload"), options.get("recompute"))
+        self.offloader = options.get("offloader")
+        self.torch_options = dict(
+            preserve_rng_state=options.get("preserve_rng_state", True),
+            determinism_check=options.get("determinism_check", "default"),
+            debug=options.get("debug", False),
+        )
+        self.__wrapped__ = fn
+
+    def __repr__(self) -> str:
+        return f"remat.checkpoint('{self.name}')({callable_name(self.fn)})"
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return check_output(self.fn(*args, **kwargs), self.name)
+        parent = active_tape()
+        if parent is not None:
+            # A nested region is a RECOMPUTE consumer of its parent: inputs produced by the
+            # parent's SAVE ops are saved on the parent tape and loaded in its recompute.
+            handle = RematHandle(None, self.name, CheckpointPolicy.RECOMPUTE, kind="region", tape=parent)
+            flat, spec = tree_flatten((args, kwargs))
+            args, kwargs = tree_unflatten(list(handle.load_inputs(tuple(flat))), spec)
+        tape = Tape(self.name, self.globs or None, resolve_offloader(self.offloader), parent)
+        tape.inputs = [weakref.ref(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        out = torch_checkpoint.checkpoint(
+            _RegionBody(self.fn, tape), *args, use_reentrant=False, **self.torch_options, **kwargs
+        )
+        trigger, tape.trigger = tape.trigger, None
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs and trigger is not None:
+            torch.autograd.graph.register_multi_grad_hook(outs, _StartRecompute(tape, trigger), mode="any")
+            for node in {t.grad_fn for t in outs if t.grad_fn is not None}:
+                node.metadata.setdefault(TAPE_KEY, []).append(tape)
+        return out
+
+
+class _RegionBody:
+    """What PyTorch's checkpoint runs, in forward and again in each recompute."""
+
+    __slots__ = ("fn", "tape")
+
+    def __init__(self, fn, tape):
+        self.fn, self.tape = fn, tape
+
+    def __call__(self, *args, **kwargs):
+        tape = self.tape
+        phase = tape.begin_pass()
+        token = _ACTIVE.set(tape)
+        try:
+            out = self.fn(*args, **kwargs)
+            check_output(out, tape.name)
+            tape.end_pass()
+        finally:
+            _ACTIVE.reset(token)
+        # Saved last, so its unpack recomputes the whole region (and early stop ends there).
+        node = _RecomputeTrigger.apply(torch.empty(0, requires_grad=True)).grad_fn
+        if phase == FORWARD:
+            tape.trigger = node
+        return out
+
+
+class _RecomputeTrigger(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dummy):
+        ctx.save_for_backward(dummy)
+        return dummy.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad):  # never on a backward path: only its saved tensor is unpacked
+        return grad
+
+
+class _StartRecompute:
+    """Gradient hook on a region's outputs: recompute the region when its backward begins."""
+
+    __slots__ = ("tape", "trigger")
+
+    def __init__(self, tape, trigger):
+        self.tape, self.trigger = tape, trigger
+
+    def __call__(self, grad):
+        self.tape.prefetch()
+        self.trigger.saved_tensors  # noqa: B018 - the unpack runs PyTorch's recompute now
+
+
+def check_output(out, region: str, path: str = "output"):
+    """A region returns a Tensor or exact builtin tuple/list/dict of them, recursively."""
+    if isinstance(out, torch.Tensor):
+        return out
+    t = type(out)
+    if t is tuple or t is list:
+        for i, v in enumerate(out):
+            check_output(v, region, f"{path}[{i}]")
+        return out
+    if t is dict:
+        for k, v in out.items():
+            check_output(v, region, f"{path}[{k!r}]")
+        return out
+    if isinstance(out, tuple) and hasattr(t, "_fields"):
+        kind = f"a namedtuple ({t.__name__})"
+    elif isinstance(out, (tuple, list, dict)):
+        kind = f"a subclass of {t.__mro__[1].__name__} ({t.__name__})"
+    else:
+        kind = f"a non-tensor leaf of type {t.__name__}"
+    raise TypeError(
+        f"remat.checkpoint region '{region}': {path} is {kind}. A checkpointed function must return a "
+        "Tensor or an exact tuple, list or dict of them (recursively); convert it, e.g. return "
+        "tuple(out) or dict(out), and pass non-tensor values outside the region."
+    )
