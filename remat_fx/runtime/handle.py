@@ -109,6 +109,18 @@ class RematHandle:
                 )
         return tuple(xs)
 
+    def check_inputs(self, xs) -> None:
+        """Record input metadata in forward and compare it in recompute (for ops whose
+        inputs are otherwise unseen in recompute, like SAVE ops called via auto_forward)."""
+        tape, rec = self.tape, self.record
+        if tape is None:
+            return
+        metas = [TensorMeta.of(x) if isinstance(x, torch.Tensor) else None for x in xs]
+        if tape.phase == FORWARD:
+            rec.input_metas = metas
+        else:
+            tape.check_metas(rec, "input", rec.input_metas, metas)
+
     def save_for_backward(self, tensors: dict) -> None:
         """Name and save the tensors the backward needs (dict order = ``ctx.saved_tensors`` order)."""
         if not isinstance(tensors, dict):

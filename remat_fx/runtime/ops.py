@@ -84,6 +84,8 @@ def auto_forward(*saved_names: str):
                 else:  # unnamed call inside a region: recomputed, with a positional name
                     name, policy = tape.auto_name(where), None
                 handle = RematHandle(ctx, name, policy)
+                if handle.policy.skips_recompute:
+                    handle.check_inputs(args)
                 ret = handle.maybe_load_saved()
                 if ret is not None:
                     return ret
