@@ -100,7 +100,9 @@ class RematHandle:
         for i, x in enumerate(xs):
             slot = rec.inputs.get(i)
             if slot is not None:
-                xs[i] = slot.load(tape, self.name)
+                t = slot.load(tape, self.name)
+                # native ops save for backward according to requires_grad: match the forward's
+                xs[i] = t.detach().requires_grad_() if x.requires_grad and not t.requires_grad else t
             elif isinstance(x, Placeholder):
                 raise RuntimeError(
                     f"remat_fx: input {i} of op '{self.name}' in region '{tape.name}' is the output of "

@@ -141,7 +141,8 @@ def native_op(fn, name: str, policy=None):
             offloader = tape.offloader if handle.policy is CheckpointPolicy.OFFLOAD else None
             rec.sac = SacCache(storage, offloader)
         else:
-            with torch_checkpoint._CachedTorchDispatchMode(None, rec.sac.load(tape, name)):
+            # cache hits on in-place ops (dropout's bernoulli_) bump versions: checked in load() instead
+            with torch_checkpoint._CachedTorchDispatchMode(None, rec.sac.load(tape, name), True):
                 out = fn(*args, **kwargs)
             if rec.rng_after is not None:
                 rng_restore(rec.rng_after)
@@ -155,13 +156,17 @@ def native_op(fn, name: str, policy=None):
 class SacCache:
     """The outputs PyTorch's SAC caching mode stored for one native SAVE/OFFLOAD call."""
 
-    __slots__ = ("entries", "offloader", "released")
+    __slots__ = ("entries", "offloader", "released", "_version_of")
 
     def __init__(self, storage, offloader):
         # storage: {func: {call index: pytree of _VersionWrapper}}
         self.entries = storage
         self.offloader = offloader
         self.released = False
+        # the op may mutate its own intermediates (dropout's bernoulli_): what must not
+        # change is each cached tensor from the end of the op to its recompute
+        self._version_of = {label: val._version for label, val in self.tensors()
+                            if isinstance(val, torch.Tensor)}
         if offloader is not None:
             for calls in storage.values():
                 for idx, wrapped in calls.items():
@@ -181,6 +186,11 @@ class SacCache:
                     if val is not None:
                         yield f"{func}#{idx}.{k}", val
 
+    def _versions(self):
+        for label, val in self.tensors():
+            if isinstance(val, torch.Tensor):
+                yield label, val, self._version_of[label]
+
     def load(self, tape, name):
         if self.released:
             raise RuntimeError(
@@ -188,7 +198,15 @@ class SacCache:
                 "released by an earlier backward. Pass retain_graph=True to the first backward."
             )
 
-        def fresh(w):  # offloaded values come back as new tensors; others keep their version check
+        for label, val, version in self._versions():
+            if val._version != version:
+                raise RuntimeError(
+                    f"remat_fx: output {label} of native op '{name}' in region '{tape.name}' was modified in "
+                    f"place after the op ran (version {version} -> {val._version}); its gradient would be "
+                    "wrong. Clone it before modifying it, or make the op RECOMPUTE."
+                )
+
+        def fresh(w):  # offloaded values come back as new tensors
             if isinstance(w.val, _OffloadedValue):
                 return torch_checkpoint._VersionWrapper(w.val.unpack())
             return w

@@ -90,7 +90,7 @@ def memory_report(*outputs) -> MemoryReport:
     report = MemoryReport()
     counted: Dict[tuple, str] = {}
 
-    def add(region, op, name, value, policy):
+    def add(region, op, name, value, policy, is_param=None):
         if isinstance(value, torch.Tensor):
             meta, tensor = TensorMeta.of(value), value
         else:  # an offloader's packed value: charge what the tensor would take
@@ -99,7 +99,9 @@ def memory_report(*outputs) -> MemoryReport:
                 return
         base = tensor._base if tensor is not None and tensor._base is not None else tensor
         qual = f"{op}.{name}" if op else name
-        if tensor is not None and base.is_leaf and base.requires_grad:
+        if is_param is None:
+            is_param = tensor is not None and base.is_leaf and base.requires_grad
+        if is_param:
             policy, nbytes, alias = "PARAM", 0, None
         else:
             if tensor is not None:
@@ -123,11 +125,11 @@ def memory_report(*outputs) -> MemoryReport:
         for rec in tape.records:
             for k, slot in enumerate(rec.saved or ()):
                 if slot is not None and slot.value is not None:
-                    add(tape.name, rec.name, slot.name, _slot_value(slot), rec.policy.name)
+                    add(tape.name, rec.name, slot.name, _slot_value(slot), rec.policy.name, slot.is_param)
             for i, slot in rec.inputs.items():
                 if slot.value is not None:
                     add(tape.name, rec.name, f"inputs.{i}", _slot_value(slot),
-                        "OFFLOAD" if slot.offloader is not None else "SAVE")
+                        "OFFLOAD" if slot.offloader is not None else "SAVE", slot.is_param)
             if rec.sac is not None:
                 for label, val in rec.sac.tensors():
                     add(tape.name, rec.name, label, val, rec.policy.name)

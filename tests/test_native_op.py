@@ -1,0 +1,111 @@
+"""remat.native_op: SAVE keeps the op's outputs (SAC underneath), RECOMPUTE reruns it."""
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import remat_fx as remat
+from tests.helpers import P, assert_equal_grads, exp, grads, linear
+
+
+def _mm_flops_in_backward(out, inputs):
+    with FlopCounterMode(display=False) as counter:
+        got = grads(out, inputs)
+    return counter.get_flop_counts()["Global"].get(torch.ops.aten.mm, 0), got
+
+
+@pytest.mark.parametrize("policy, forward_mms", [(P.SAVE, 0), (P.RECOMPUTE, 1)])
+def test_save_skips_the_op_in_recompute(mode, policy, forward_mms):
+    w = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(16, 32, requires_grad=True)
+
+    def block(x):
+        return remat.native_op(torch.mm, "proj", policy=policy)(x.sin(), w).cos()
+
+    want = grads(block(x).sum(), [x, w])
+    out = mode(lambda x: remat.checkpoint()(block)(x).sum())(x)
+    flops, got = _mm_flops_in_backward(out, [x, w])
+    one_mm = 2 * 16 * 32 * 32
+    assert flops == (2 + forward_mms) * one_mm  # two backward mms, plus the recompute under RECOMPUTE
+    assert_equal_grads(got, want)
+
+
+def test_save_caches_outputs_and_reports_them():
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    out = remat.checkpoint("blk")(lambda x: remat.native_op(torch.mm, "proj", policy=P.SAVE)(x.sin(), w).cos())(x)
+    report = remat.memory_report(out)
+    cached = [e for e in report.entries if e.op == "proj"]
+    assert [(e.name, e.shape, e.policy, e.bytes) for e in cached] == [("aten.mm.default#0.0", (4, 8), "SAVE", 128)]
+
+
+def test_save_native_op_saves_input_from_save_op():
+    """mm needs its input for the weight gradient: a SAVE op's output is saved for it, not a placeholder."""
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def block(x):
+        h = linear(x, w1, "qkv", P.SAVE)
+        return remat.native_op(torch.mm, "proj", policy=P.SAVE)(h, w2).tanh()
+
+    want = grads(block(x).sum(), [x, w1, w2])
+    out = remat.checkpoint("blk")(block)(x)
+    report = remat.memory_report(out)
+    assert [(e.op, e.name) for e in report.entries if e.policy == "SAVE"] == [
+        ("proj", "inputs.0"), ("proj", "aten.mm.default#0.0")]
+    assert_equal_grads(grads(out.sum(), [x, w1, w2]), want)
+
+
+def test_recompute_native_op_reruns_on_saved_input():
+    w1 = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def block(x):
+        h = linear(x, w1, "qkv", P.SAVE)
+        return remat.native_op(torch.nn.functional.gelu, "act", policy=P.RECOMPUTE)(h)
+
+    want = grads(block(x).sum(), [x, w1])
+    assert_equal_grads(grads(remat.checkpoint()(block)(x).sum(), [x, w1]), want)
+
+
+def test_nested_args_and_kwargs():
+    a, b = torch.randn(2, 3, requires_grad=True), torch.randn(2, 3, requires_grad=True)
+
+    def block(a, b):
+        h = exp(a, "e", P.SAVE)
+        return remat.native_op(torch.cat, "cat", policy=P.RECOMPUTE)([h, b], dim=0).sin()
+
+    want = grads(block(a, b).sum(), [a, b])
+    assert_equal_grads(grads(remat.checkpoint()(block)(a, b).sum(), [a, b]), want)
+
+
+def test_save_native_op_with_randomness_keeps_rng_aligned():
+    x = torch.randn(16, 16, requires_grad=True)
+
+    def block(x):
+        h = remat.native_op(torch.nn.functional.dropout, "drop1", policy=P.SAVE)(x.sin(), 0.5)
+        return torch.nn.functional.dropout(h.cos(), 0.5)  # recomputed: must draw the forward's mask
+
+    torch.manual_seed(5)
+    want = grads(block(x).sum(), [x])
+    torch.manual_seed(5)
+    assert_equal_grads(grads(remat.checkpoint()(block)(x).sum(), [x]), want)
+
+
+def test_mutating_cached_output_is_caught():
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def block(x):
+        h = remat.native_op(torch.sin, "sin", policy=P.SAVE)(x)
+        return h
+
+    out = remat.checkpoint("blk")(block)(x)
+    with torch.no_grad():
+        out.add_(1)
+    with pytest.raises(RuntimeError, match=r"output aten.sin.default#0.0 of native op 'sin' in region 'blk' was "
+                                           r"modified in place after the op ran \(version 0 -> 1\)"):
+        (out * x).sum().backward()
+
+
+def test_outside_region_is_plain_call():
+    x = torch.randn(3, 3)
+    assert torch.equal(remat.native_op(torch.mm, "mm", policy=P.SAVE)(x, x), x @ x)
