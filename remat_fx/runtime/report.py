@@ -31,6 +31,7 @@ class SavedEntry:
     policy: str  # SAVE, OFFLOAD, INPUT (region input), or PARAM (not counted)
     bytes: int  # bytes charged to this entry (0 for an alias already counted)
     alias_of: Optional[str] = None
+    source: Optional[str] = None  # for inputs saved by a RECOMPUTE consumer: the producer output
 
     @property
     def qualname(self) -> str:
@@ -59,7 +60,8 @@ class MemoryReport:
 
     def __str__(self) -> str:
         header = ("region", "op", "tensor", "shape", "dtype", "policy", "bytes")
-        rows = [(e.region, e.op, e.name + (f" (alias of {e.alias_of})" if e.alias_of else ""),
+        rows = [(e.region, e.op, e.name + (f" = {e.source}" if e.source else "")
+                 + (f" (alias of {e.alias_of})" if e.alias_of else ""),
                  "x".join(map(str, e.shape)) or "scalar", str(e.dtype).replace("torch.", ""), e.policy,
                  f"{e.bytes:,}") for e in self.entries]
         rows.append(("total", "", "", "", "", "", f"{self.total_bytes:,}"))
@@ -90,7 +92,7 @@ def memory_report(*outputs) -> MemoryReport:
     report = MemoryReport()
     counted: Dict[tuple, str] = {}
 
-    def add(region, op, name, value, policy, is_param=None):
+    def add(region, op, name, value, policy, is_param=None, source=None):
         if isinstance(value, torch.Tensor):
             meta, tensor = TensorMeta.of(value), value
         else:  # an offloader's packed value: charge what the tensor would take
@@ -115,7 +117,7 @@ def memory_report(*outputs) -> MemoryReport:
             nbytes = 0 if alias is not None else size
             counted.setdefault(key, f"{region}:{qual}")
         report.entries.append(SavedEntry(region, op, name, tuple(meta.size), meta.dtype, str(meta.device),
-                                         policy, nbytes, alias))
+                                         policy, nbytes, alias, source))
 
     for tape in find_tapes(*outputs):
         for i, ref in enumerate(tape.inputs):
@@ -129,7 +131,7 @@ def memory_report(*outputs) -> MemoryReport:
             for i, slot in rec.inputs.items():
                 if slot.value is not None:
                     add(tape.name, rec.name, f"inputs.{i}", _slot_value(slot),
-                        "OFFLOAD" if slot.offloader is not None else "SAVE", slot.is_param)
+                        "OFFLOAD" if slot.offloader is not None else "SAVE", slot.is_param, slot.name)
             if rec.sac is not None:
                 for label, val in rec.sac.tensors():
                     add(tape.name, rec.name, label, val, rec.policy.name)
