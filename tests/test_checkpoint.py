@@ -250,6 +250,18 @@ def test_nested_regions_recompute_inner_twice():
     assert RUNS == {"outer.save": 1, "inner.l": 3, "outer.l": 2}
 
 
+def test_nested_same_function_twice():
+    w1, w2 = _params(2)
+    x = torch.randn(8, 16, requires_grad=True)
+    layer = remat.checkpoint()(lambda h: exp(linear(h, w2, "l", P.SAVE), "e", P.RECOMPUTE))
+
+    def outer(x):
+        return layer(layer(linear(x, w1, "in", P.SAVE)))
+
+    want = grads(outer(x).sum(), [x, w1, w2])
+    assert_equal_grads(grads(remat.checkpoint()(outer)(x).sum(), [x, w1, w2]), want)
+
+
 def test_retain_graph_keeps_tape():
     (w1, w2) = _params(2)
     x = torch.randn(4, 16, requires_grad=True)

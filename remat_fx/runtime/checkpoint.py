@@ -86,7 +86,8 @@ class Checkpointed:
         if parent is not None:
             # A nested region is a RECOMPUTE consumer of its parent: inputs produced by the
             # parent's SAVE ops are saved on the parent tape and loaded in its recompute.
-            handle = RematHandle(None, self.name, CheckpointPolicy.RECOMPUTE, kind="region", tape=parent)
+            handle = RematHandle(None, parent.auto_name(f"region:{self.name}"), CheckpointPolicy.RECOMPUTE,
+                                 kind="region", tape=parent)
             flat, spec = tree_flatten((args, kwargs))
             args, kwargs = tree_unflatten(list(handle.load_inputs(tuple(flat))), spec)
         tape = Tape(self.name, self.globs or None, resolve_offloader(self.offloader), parent)
