@@ -285,12 +285,15 @@ def test_second_backward_without_retain_graph_is_an_error():
         out.backward()
 
 
-def test_autograd_grad_and_double_backward():
+@pytest.mark.parametrize("policy", [None, P.SAVE, P.RECOMPUTE])
+def test_autograd_grad_and_double_backward(policy):
     (w,) = _params(1)
     x = torch.randn(4, 16, requires_grad=True)
 
     def block(x):
-        return torch.tanh(x @ w)
+        if policy is None:
+            return torch.tanh(x @ w)
+        return exp(linear(x, w, "l", policy), "e", P.RECOMPUTE)
 
     (gx,) = torch.autograd.grad(block(x).sum(), [x], create_graph=True)
     (want,) = torch.autograd.grad(gx.pow(2).sum(), [w])

@@ -148,3 +148,15 @@ def test_region_globs_override_call_sites():
     assert_equal_grads(grads(out.sum(), [x, w1, w2]), want)
     with pytest.raises(ValueError, match="option 'save' must hold glob strings"):
         remat.checkpoint(save=[3])(block)(x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path of CPUOffloader needs a GPU")
+def test_default_offloader_moves_cuda_tensors_to_pinned_host():
+    w1, w2 = [torch.randn(8, 8, device="cuda", requires_grad=True) for _ in range(2)]
+    x = torch.randn(4, 8, device="cuda", requires_grad=True)
+    block = _block(w1, w2)
+    want = grads(block(x).sum(), [x, w1, w2])
+    out = remat.checkpoint()(block)(x).sum()
+    slot = remat.runtime.report.find_tapes(out)[0].records[0].saved[0]
+    assert slot.value.host.device.type == "cpu" and slot.value.host.is_pinned()
+    assert_equal_grads(grads(out, [x, w1, w2]), want)
