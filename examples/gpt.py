@@ -25,14 +25,13 @@ So any policy that maps these names to SAVE/RECOMPUTE is valid, in particular
 ``save_matmuls`` (SAVE qkv/proj/up/down, recompute the rest, including the
 attention core) and ``recompute_all``.
 
-Each Function keeps no state on ``ctx`` besides ``ctx.save_for_backward``:
-in the recompute of a SAVE op its forward body does not run, so attributes
-set on ``ctx`` there would be missing in backward.  Everything the backward
-needs is derived from the saved tensors' shapes and ``ctx.needs_input_grad``.
+The Functions keep no state on ``ctx`` besides ``ctx.save_for_backward``
+(their backward derives shapes from the saved tensors and uses
+``ctx.needs_input_grad``), so they need no care about which of the two
+forward executions (original or recompute) set what.
 """
 from __future__ import annotations
 
-import copy
 import gc
 import math
 import sys

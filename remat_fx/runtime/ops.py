@@ -79,9 +79,10 @@ def auto_forward(*saved_names: str):
                 if pending is not None:
                     pending.taken = True
                     name, policy = pending.name, pending.policy
-                elif tape is None:
+                if tape is None:  # outside regions the forward runs as written
                     return forward(ctx, *args, **kwargs)
-                else:  # unnamed call inside a region: recomputed, with a positional name
+                if pending is None:
+                    # unnamed call inside a region: recomputed, with a positional name
                     name, policy = tape.auto_name(where), None
                 handle = RematHandle(ctx, name, policy)
                 if handle.policy.skips_recompute:
@@ -129,8 +130,11 @@ def native_op(fn, name: str, policy=None):
         if tape is None:
             return fn(*args, **kwargs)
         handle = RematHandle(None, name, policy, kind="native", tape=tape)
-        flat, spec = tree_flatten((args, kwargs))
-        args, kwargs = tree_unflatten(list(handle.load_inputs(tuple(flat))), spec)
+        if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
+            flat, spec = tree_flatten((args, kwargs))
+            args, kwargs = tree_unflatten(list(handle.load_inputs(tuple(flat))), spec)
+        else:  # flat positional arguments: no pytree round trip on the hot path
+            args = handle.load_inputs(args)
         rec = handle.record
         if handle.policy is CheckpointPolicy.RECOMPUTE:
             out = fn(*args, **kwargs)
@@ -146,8 +150,7 @@ def native_op(fn, name: str, policy=None):
                 out = fn(*args, **kwargs)
             if rec.rng_after is not None:
                 rng_restore(rec.rng_after)
-        flat_out, _ = tree_flatten(out)
-        handle.finish(tuple(flat_out), single=True)
+        handle.finish((out,) if isinstance(out, torch.Tensor) else tuple(tree_flatten(out)[0]), single=True)
         return out
 
     return call
