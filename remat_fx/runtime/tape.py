@@ -30,6 +30,9 @@ def active_tape() -> Optional["Tape"]:
     return _ACTIVE.get()
 
 
+_new_tuple = tuple.__new__  # skips NamedTuple's argument parsing on the per-op hot path
+
+
 class TensorMeta(NamedTuple):
     size: torch.Size
     stride: tuple
@@ -39,7 +42,7 @@ class TensorMeta(NamedTuple):
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "TensorMeta":
-        return cls(t.size(), t.stride(), t.storage_offset(), t.dtype, t.device)
+        return _new_tuple(cls, (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device))
 
     def describe(self) -> str:
         return f"{tuple(self.size)} {str(self.dtype).replace('torch.', '')} on {self.device}"
