@@ -3,6 +3,8 @@
     import remat_fx as remat
     y = remat.checkpoint()(block)(x)
 """
+from remat_fx.backend import backend
+from remat_fx.passes.plan import Plan, SavedActivation, last_plan
 from remat_fx.policy import CheckpointPolicy
 from remat_fx.runtime.checkpoint import checkpoint
 from remat_fx.runtime.handle import RematHandle, get_handle
@@ -12,6 +14,10 @@ from remat_fx.runtime.placeholder import Placeholder
 from remat_fx.runtime.report import MemoryReport, SavedEntry, memory_report
 
 __all__ = [
+    "Plan",
+    "SavedActivation",
+    "backend",
+    "last_plan",
     "CPUOffloader",
     "CheckpointPolicy",
     "MemoryReport",

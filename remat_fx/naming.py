@@ -65,7 +65,8 @@ def join(*parts: Optional[str]) -> str:
 
 
 def callable_name(fn) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    # __name__, not __qualname__: the same in both modes (Dynamo mis-traces __qualname__)
+    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def check_name(name, what: str) -> str:
@@ -76,3 +77,20 @@ def check_name(name, what: str) -> str:
 
 def unique_names(names: Sequence[str]) -> bool:
     return len(set(names)) == len(names)
+
+
+# -- the annotation schema both modes share ----------------------------------
+# Under torch.compile the runtime APIs write these keys into torch.fx.traceback.annotate,
+# which AOTAutograd copies onto every joint-graph node traced inside (node.meta["custom"]).
+META_NAME = "remat_name"  # the remat name of the op (or annotate block) the node belongs to
+META_POLICY = "remat_policy"  # CheckpointPolicy name written at the call site, or None
+META_KIND = "remat_kind"  # "op" (autograd Function), "native", "annotate"
+META_REGION = "remat_region"  # the enclosing remat.checkpoint region's name
+META_REGION_GLOBS = "remat_region_globs"  # (save, offload, recompute) glob tuples of that region
+
+
+def tracing_annotation(entries: dict):
+    """A context manager that tags the ops traced inside it with ``entries`` (no-op in eager)."""
+    import torch.fx.traceback as fx_traceback
+
+    return fx_traceback.annotate(entries)

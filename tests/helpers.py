@@ -12,6 +12,16 @@ RUNS: collections.Counter = collections.Counter()  # op name -> forward bodies r
 EVENTS: list = []  # ("fw"|"bw", op name) in execution order
 
 
+def _log(counter_key=None, event=None):
+    """Count a run / log an event in eager mode (traced graphs cannot mutate Python lists)."""
+    if torch.compiler.is_compiling():
+        return
+    if counter_key is not None:
+        RUNS[counter_key] += 1
+    if event is not None:
+        EVENTS.append(event)
+
+
 def reset():
     RUNS.clear()
     EVENTS.clear()
@@ -26,8 +36,7 @@ class Linear(torch.autograd.Function):
         if (ret := handle.maybe_load_saved()) is not None:
             return ret
         x = handle.save_or_load_inputs(x)
-        RUNS[name] += 1
-        EVENTS.append(("fw", name))
+        _log(name, ("fw", name))
         out = x @ w
         handle.save_for_backward({"x": x, "w": w})
         return handle.record_outputs(out)
@@ -35,8 +44,24 @@ class Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
-        EVENTS.append(("bw", "linear"))
+        _log(event=("bw", "linear"))
         return grad @ w.t(), x.t() @ grad, None, None
+
+
+class AutoLinear(torch.autograd.Function):
+    """y = x @ w through remat.auto_forward: names reach the compiler too (via remat.op)."""
+
+    @staticmethod
+    @remat.auto_forward("x", "w")
+    def forward(ctx, x, w):
+        y = x @ w
+        ctx.save_for_backward(x, w)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w.t(), x.t() @ grad
 
 
 class Exp(torch.autograd.Function):
@@ -45,7 +70,7 @@ class Exp(torch.autograd.Function):
     @staticmethod
     @remat.auto_forward("y")
     def forward(ctx, x):
-        RUNS["exp"] += 1
+        _log("exp")
         y = torch.exp(x)
         ctx.save_for_backward(y)
         return y
@@ -62,7 +87,7 @@ class Split2(torch.autograd.Function):
     @staticmethod
     @remat.auto_forward()
     def forward(ctx, x):
-        RUNS["split2"] += 1
+        _log("split2")
         return x * 2, x * 3
 
     @staticmethod
@@ -79,12 +104,16 @@ class Logged(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        EVENTS.append(("bw", "logged"))
+        _log(event=("bw", "logged"))
         return grad
 
 
 def linear(x, w, name, policy=P.RECOMPUTE):
     return Linear.apply(x, w, name, policy)
+
+
+def alinear(x, w, name, policy=P.RECOMPUTE):
+    return remat.op(AutoLinear.apply, name, policy=policy)(x, w)
 
 
 def exp(x, name, policy=P.RECOMPUTE):

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import remat_fx as remat
+from tests.conftest import modes_with_compile_gap
 from tests.helpers import P, assert_equal_grads, exp, grads, linear
 
 
@@ -32,6 +33,7 @@ def _block(w1, w2):
     return block
 
 
+@modes_with_compile_gap("compiler mode saves OFFLOAD ops on the device; offload planning is not built yet")
 @pytest.mark.parametrize("how", ["option", "context"])
 def test_offload_goes_through_the_offloader(mode, how):
     w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)

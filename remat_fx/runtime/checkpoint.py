@@ -8,13 +8,14 @@ region's outputs, which makes PyTorch recompute the whole region at once.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from remat_fx.naming import NameGlobs, callable_name
+from remat_fx.naming import META_REGION, META_REGION_GLOBS, NameGlobs, callable_name, tracing_annotation
 from remat_fx.policy import CheckpointPolicy
 from remat_fx.runtime.handle import RematHandle
 from remat_fx.runtime.offload import resolve_offloader
@@ -74,12 +75,18 @@ class Checkpointed:
             determinism_check=options.get("determinism_check", "default"),
             debug=options.get("debug", False),
         )
-        self.__wrapped__ = fn
 
     def __repr__(self) -> str:
         return f"remat.checkpoint('{self.name}')({callable_name(self.fn)})"
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            # compiler mode: PyTorch's checkpoint HOP, with the region's name and globs on its nodes
+            globs = (self.globs.save, self.globs.offload, self.globs.recompute)
+            with tracing_annotation({META_REGION: self.name, META_REGION_GLOBS: globs}):
+                out = torch_checkpoint.checkpoint(_TracedBody(self), *args, use_reentrant=False,
+                                                  **self.torch_options, **kwargs)
+            return check_output(out, self.name)
         if not torch.is_grad_enabled():
             return check_output(self.fn(*args, **kwargs), self.name)
         parent = active_tape()
@@ -101,6 +108,39 @@ class Checkpointed:
             torch.autograd.graph.register_multi_grad_hook(outs, _StartRecompute(tape, trigger), mode="any")
             for node in {t.grad_fn for t in outs if t.grad_fn is not None}:
                 node.metadata.setdefault(TAPE_KEY, []).append(tape)
+        return out
+
+
+class _TracedBody:
+    """What the checkpoint HOP traces under torch.compile.
+
+    If Dynamo cannot trace the region as one graph it graph-breaks and runs PyTorch's
+    checkpoint eagerly with Dynamo disabled inside, so this body then runs eagerly: it
+    falls back to the named tape (same names and policies), with one warning.
+    """
+
+    __slots__ = ("owner", "tape")
+
+    def __init__(self, owner: "Checkpointed"):
+        self.owner, self.tape = owner, None
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return self.owner.fn(*args, **kwargs)
+        owner = self.owner
+        if self.tape is None:
+            if not getattr(owner, "_warned_fallback", False):
+                owner._warned_fallback = True
+                warnings.warn(
+                    f"remat_fx: torch.compile could not trace checkpoint region '{owner.name}' as one graph "
+                    "(a graph break inside it), so the region runs on the eager named tape instead: the same "
+                    "names and policies are honoured, without compiler partitioning. Make the region "
+                    "traceable (see torch._dynamo.explain) to compile it.",
+                    stacklevel=2,
+                )
+            self.tape = Tape(owner.name, owner.globs or None, resolve_offloader(owner.offloader), None)
+        out = _RegionBody(owner.fn, self.tape)(*args, **kwargs)
+        self.tape.trigger = None  # PyTorch's checkpoint recomputes this region lazily here
         return out
 
 

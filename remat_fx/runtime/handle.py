@@ -26,8 +26,31 @@ from remat_fx.runtime.tape import (FORWARD, RECOMPUTE, Record, Slot, Tape, Tenso
 
 def get_handle(ctx, op_name: str, policy=None) -> "RematHandle":
     """Create the handle for one named call of a remat-aware autograd Function."""
+    if torch.compiler.is_compiling():
+        return TracedHandle(ctx)
     check_name(op_name, "remat.get_handle")
     return RematHandle(ctx, op_name, coerce_policy(policy, what=f"remat.get_handle('{op_name}')"))
+
+
+class TracedHandle:
+    """The handle under torch.compile: the forward is traced once and the compiler decides
+    what to save, so every method is a pass-through. (The op's name and policy reach the
+    compiler from an enclosing remat.op / remat.annotate.)"""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def maybe_load_saved(self):
+        return None
+
+    def save_or_load_inputs(self, *xs):
+        return xs[0] if len(xs) == 1 else xs
+
+    def save_for_backward(self, tensors: dict) -> None:
+        self.ctx.save_for_backward(*tensors.values())
+
+    def record_outputs(self, *outs):
+        return outs[0] if len(outs) == 1 else outs
 
 
 class RematHandle:

@@ -20,7 +20,7 @@ import torch
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from remat_fx.naming import callable_name, check_name
+from remat_fx.naming import META_KIND, META_NAME, META_POLICY, callable_name, check_name, tracing_annotation
 from remat_fx.policy import CheckpointPolicy, coerce_policy
 from remat_fx.runtime.handle import RematHandle
 from remat_fx.runtime.tape import FORWARD, TensorMeta, active_tape, rng_restore
@@ -42,6 +42,9 @@ def op(fn, name: str, policy=None):
     policy = coerce_policy(policy, what=f"remat.op('{name}')")
 
     def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            with tracing_annotation({META_NAME: name, META_POLICY: policy and policy.name, META_KIND: "op"}):
+                return fn(*args, **kwargs)
         pending = _Pending(name, policy)
         token = _PENDING.set(pending)
         try:
@@ -72,6 +75,8 @@ def auto_forward(*saved_names: str):
 
         @functools.wraps(forward)
         def wrapped(ctx, *args, **kwargs):
+            if torch.compiler.is_compiling():  # names travel as annotations (see remat.op)
+                return forward(ctx, *args, **kwargs)
             pending = _PENDING.get()
             token = _PENDING.set(None)  # Functions called inside this forward get no name
             try:
@@ -126,6 +131,9 @@ def native_op(fn, name: str, policy=None):
     policy = coerce_policy(policy, what=f"remat.native_op('{name}')")
 
     def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            with tracing_annotation({META_NAME: name, META_POLICY: policy and policy.name, META_KIND: "native"}):
+                return fn(*args, **kwargs)
         tape = active_tape()
         if tape is None:
             return fn(*args, **kwargs)

@@ -53,6 +53,17 @@ class MemoryReport:
             out[k] = out.get(k, 0) + e.bytes
         return out
 
+    def bytes_by_owner(self) -> Dict[str, int]:
+        """Bytes per remat op they are kept for: a SAVE op's backward tensors and its outputs that
+        RECOMPUTE consumers saved are both filed under that op (the compiler's Plan files them
+        the same way). Region inputs and parameters are left out."""
+        out: Dict[str, int] = {}
+        for e in self.entries:
+            if e.policy in ("SAVE", "OFFLOAD"):
+                owner = e.source.rsplit(".", 1)[0] if e.source else e.op
+                out[owner] = out.get(owner, 0) + e.bytes
+        return out
+
     def names(self, policies: Iterable[str] = ("SAVE", "OFFLOAD")) -> set:
         """Qualified names (``op.tensor``) of the entries with these policies."""
         policies = set(policies)

@@ -1,0 +1,110 @@
+"""Capture: what the other passes need to know about AOTAutograd's joint graph.
+
+The joint forward+backward graph comes from AOTAutograd (through Inductor's
+``compile_fx`` or our own ``aot_autograd`` call, both with Inductor's
+decompositions). This pass reads it: which nodes are forward, which backward,
+and the name of every forward node that globs match against (its remat name,
+or its module path and op).
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Set
+
+import torch
+import torch.fx as fx
+
+from remat_fx.naming import META_KIND, META_NAME
+
+
+def decompositions():
+    """The decomposition table Inductor traces with, so both lowerings see the same graph."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+@dataclass
+class JointGraph:
+    gm: fx.GraphModule
+    forward: Set[fx.Node] = field(default_factory=set)  # call_function nodes computed without tangents
+    backward: Set[fx.Node] = field(default_factory=set)
+    names: Dict[fx.Node, str] = field(default_factory=dict)  # forward node -> glob-matchable name
+
+    def custom(self, node: fx.Node) -> dict:
+        return node.meta.get("custom") or {}
+
+
+def op_name(node: fx.Node) -> str:
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    return getattr(target, "__name__", str(target))
+
+
+_SUBSCRIPT = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+
+
+def module_path(node: fx.Node) -> Optional[str]:
+    """Dotted path of the innermost module the node was traced in (``layers.0.mlp.up``)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    # Dynamo spells paths as L['self'].layers[0].mlp or L['self']._modules['layers']._modules['0']
+    path = re.sub(r"^L\[['\"](self|mod|model|m)['\"]\]\.?", "", path)
+    path = path.replace("._modules", "").replace("_modules", "")
+    path = _SUBSCRIPT.sub(r".\1", path).strip(".")
+    return re.sub(r"\.+", ".", path)
+
+
+def read_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
+    """Forward nodes are those the forward outputs depend on; every other computation is backward
+    (including backward-formula nodes that read only forward values, like a weight's transpose)."""
+    joint = JointGraph(gm)
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    stack = _nodes_in(output.args[0][:num_fwd_outputs])
+    seen: Set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    counts: Counter = Counter()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node in seen:
+            joint.forward.add(node)
+            joint.names[node] = _name(node, joint.custom(node), counts)
+        else:
+            joint.backward.add(node)
+    return joint
+
+
+def _nodes_in(args) -> list:
+    found = []
+    fx.node.map_arg(args, found.append)
+    return found
+
+
+def _name(node: fx.Node, custom: dict, counts: Counter) -> str:
+    op = op_name(node)
+    remat = custom.get(META_NAME)
+    if remat is not None:
+        if custom.get(META_KIND) == "annotate":
+            k = counts[(remat, op)]
+            counts[(remat, op)] += 1
+            return f"{remat}.{op}.{k}"
+        return remat
+    path = module_path(node)
+    return f"{path}.{op}" if path else op
+
+
+def is_random(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags

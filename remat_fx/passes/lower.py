@@ -1,0 +1,56 @@
+"""Lower: compile the partitioned graphs.
+
+``inductor``: Inductor's ``compile_fx`` (C++ on CPU, Triton on CUDA), with our
+partition plugged in as its custom partitioner, so Inductor's own joint-graph
+passes, decompositions and fw/bw compilers all run as usual.
+``eager``: AOTAutograd with the same decompositions, running the partitioned FX
+graphs op by op.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import pathlib
+
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+from remat_fx.options import BackendOptions
+from remat_fx.passes.capture import decompositions
+from remat_fx.passes.partition import partition
+
+_SOURCES = sorted((pathlib.Path(__file__).resolve().parents[1]).rglob("*.py"))
+
+
+class RematPartitioner(CustomPartitionerFn):
+    """Our partition as Inductor's ``custom_partitioner_fn``."""
+
+    def __init__(self, options: BackendOptions):
+        self.options = options
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        kwargs.pop("compiler", None)
+        return partition(gm, joint_inputs, options=self.options, **kwargs)
+
+    def uuid(self):
+        digest = hashlib.sha256(repr(self.options.key()).encode())
+        for path in _SOURCES:
+            digest.update(path.read_bytes())
+        return digest.hexdigest()
+
+
+def _run_eagerly(gm, example_inputs):
+    return make_boxed_func(gm.forward)
+
+
+def lower(gm, example_inputs, options: BackendOptions):
+    if options.lower == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": RematPartitioner(options)})
+    backend = aot_autograd(
+        fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, decompositions=decompositions(),
+        partition_fn=functools.partial(partition, options=options), keep_inference_input_mutations=True,
+    )
+    return backend(gm, example_inputs)

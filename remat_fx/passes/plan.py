@@ -1,0 +1,158 @@
+"""The Plan: what a compiled graph saves for backward, why, and what it recomputes.
+
+``remat.last_plan()`` returns the plan of the last graph compiled by the backend;
+``str(plan)`` prints one line per saved activation, like JAX's
+``print_saved_residuals``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from remat_fx.naming import META_KIND, META_NAME
+from remat_fx.passes.capture import JointGraph
+from remat_fx.passes.tag import Tag
+
+
+@dataclass(frozen=True)
+class SavedActivation:
+    name: str  # remat name, module path + op, or FX name
+    fx_name: str
+    shape: tuple
+    dtype: torch.dtype
+    bytes: int  # per storage, counted once (0 for an alias of one already counted, and for parameters)
+    reason: str
+    owner: Optional[str] = None  # the remat op this activation is kept for (see Plan.bytes_by_owner)
+    source: Optional[str] = None  # the user source line, where FX recorded it
+
+
+@dataclass
+class Plan:
+    saved: List[SavedActivation] = field(default_factory=list)
+    recompute_flops: int = 0
+    recomputed: List[str] = field(default_factory=list)  # forward nodes the backward recomputes
+    lower: str = "inductor"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.saved)
+
+    def names(self) -> set:
+        return {s.name for s in self.saved if s.bytes or s.reason != "parameter"}
+
+    def bytes_by_owner(self) -> Dict[str, int]:
+        """Saved bytes per remat op they are kept for (activations of unnamed ops are left out)."""
+        out: Dict[str, int] = {}
+        for s in self.saved:
+            if s.owner is not None:
+                out[s.owner] = out.get(s.owner, 0) + s.bytes
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"remat plan ({self.lower} lowering): {len(self.saved)} saved for backward, "
+                 f"{self.total_bytes:,} bytes; recompute {self.recompute_flops:,} FLOPs "
+                 f"({len(self.recomputed)} forward nodes rerun in backward)"]
+        for s in self.saved:
+            shape = "x".join(map(str, s.shape)) or "scalar"
+            where = f"  [{s.source}]" if s.source else ""
+            lines.append(f"  {s.name:<40s} {shape:>16s} {str(s.dtype).replace('torch.', ''):>9s} "
+                         f"{s.bytes:>12,d}  {s.reason}{where}")
+        return "\n".join(lines)
+
+
+_PLANS: List[Plan] = []
+
+
+def last_plan() -> Optional[Plan]:
+    """The plan of the graph the ``remat`` backend compiled last (None before any)."""
+    return _PLANS[-1] if _PLANS else None
+
+
+def record(plan: Plan) -> None:
+    _PLANS.append(plan)
+    del _PLANS[:-16]
+
+
+def _source(node: fx.Node) -> Optional[str]:
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+    return lines[-1].replace("File ", "") if lines else None
+
+
+def _flops(node: fx.Node) -> int:
+    packet = getattr(node.target, "overloadpacket", None)
+    fn = flop_registry.get(packet)
+    if fn is None:
+        return 0
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    try:
+        return int(fn(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # an op whose formula needs what the fake value lacks: count nothing
+        return 0
+
+
+def build_plan(joint: JointGraph, tags: Dict[fx.Node, Tag], fw: fx.GraphModule, bw: fx.GraphModule,
+               num_fwd_outputs: int, static_inputs: Sequence[int], lower: str) -> Plan:
+    by_name = {n.name: n for n in joint.forward}
+    tags = {n.name: t for n, t in tags.items()}
+    placeholders = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
+    params = {placeholders[i].name for i in static_inputs or () if i < len(placeholders)}
+    plan = Plan(lower=lower)
+    out_node = next(n for n in fw.graph.nodes if n.op == "output")
+    counted: Dict[str, str] = {}  # base node name -> the name its bytes were charged to
+    for saved in out_node.args[0][num_fwd_outputs:]:
+        if not isinstance(saved, fx.Node):
+            continue
+        val = saved.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue  # symbolic sizes, RNG seeds
+        base = _view_base(saved)  # a saved view pins its base's storage: charge the base, once
+        node = by_name.get(saved.name, saved)
+        base_node = by_name.get(base.name, base)
+        name = joint.names.get(node, saved.name)
+        tag = tags.get(saved.name) or tags.get(base.name)
+        owner = None if base.op == "placeholder" else _owner(joint, base_node, tags.get(base.name))
+        if base.name in params:
+            nbytes, reason = 0, "parameter"
+        else:
+            base_val = base.meta.get("val", val)
+            nbytes = 0 if base.name in counted else base_val.untyped_storage().nbytes()
+            reason = tag.reason if tag is not None else (
+                "graph input" if base.op == "placeholder" else "min-cut choice")
+            if base.name in counted:
+                reason += f" (alias of {counted[base.name]})"
+            elif base is not saved:
+                reason += f" (a view of {joint.names.get(base_node, base.name)})"
+            counted.setdefault(base.name, name)
+        plan.saved.append(SavedActivation(name, saved.name, tuple(val.shape), val.dtype, nbytes, reason, owner,
+                                          _source(node)))
+    fwd_names = {n.name for n in joint.forward}
+    for node in bw.graph.nodes:
+        if node.op == "call_function" and node.name in fwd_names:
+            plan.recomputed.append(node.name)
+            plan.recompute_flops += _flops(node)
+    return plan
+
+
+def _view_base(node: fx.Node) -> fx.Node:
+    while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+           and node.target.is_view and node.args and isinstance(node.args[0], fx.Node)):
+        node = node.args[0]
+    return node
+
+
+def _owner(joint: JointGraph, node: fx.Node, tag: Optional[Tag]) -> Optional[str]:
+    """The remat op an activation is kept for, as eager mode's tape would file it: a SAVE op's
+    backward input is filed under that op; a named op's own output under that op."""
+    if tag is not None and tag.reason.startswith("read by the backward of SAVE op '"):
+        return tag.reason.split("'")[1]
+    custom = joint.custom(node)
+    if custom.get(META_NAME) is not None and custom.get(META_KIND) in ("op", "native"):
+        return custom[META_NAME]
+    return None

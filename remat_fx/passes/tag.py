@@ -1,0 +1,86 @@
+"""Tag: every forward node of the joint graph becomes SAVE or RECOMPUTE, must or prefer.
+
+Precedence (first that applies):
+  1. random ops are saved (MUST_SAVE): recomputing them would draw fresh randomness;
+  2. the backend's ``save``/``recompute`` option globs (MUST);
+  3. the enclosing region's ``save``/``offload``/``recompute`` globs (MUST);
+  4. the policy written at the call site: remat.op / native_op / annotate (MUST);
+  5. inside a remat.checkpoint region: PREFER_RECOMPUTE, as non-reentrant AC recomputes it;
+  6. otherwise no tag: the min-cut partitioner chooses.
+Then, as in eager mode, a SAVE autograd Function (remat.op) keeps what its own backward
+reads: every forward node read by backward nodes of that op is MUST_SAVE.
+Backward nodes carry the forward's annotations in the joint graph and are never tagged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
+
+from remat_fx.naming import META_KIND, META_NAME, META_POLICY, META_REGION, META_REGION_GLOBS, NameGlobs
+from remat_fx.options import BackendOptions
+from remat_fx.passes.capture import JointGraph, is_random
+
+
+@dataclass(frozen=True)
+class Tag:
+    policy: TorchPolicy
+    reason: str
+
+    @property
+    def saves(self) -> bool:
+        return self.policy in (TorchPolicy.MUST_SAVE, TorchPolicy.PREFER_SAVE)
+
+
+_MUST = {"SAVE": TorchPolicy.MUST_SAVE, "OFFLOAD": TorchPolicy.MUST_SAVE, "RECOMPUTE": TorchPolicy.MUST_RECOMPUTE}
+
+
+def _region_globs(custom: dict) -> Optional[NameGlobs]:
+    raw = custom.get(META_REGION_GLOBS)
+    if not raw or not any(raw):
+        return None
+    save, offload, recompute = raw
+    return NameGlobs(save=save, offload=offload, recompute=recompute)
+
+
+def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions) -> Optional[Tag]:
+    name, custom = joint.names[node], joint.custom(node)
+    if is_random(node):
+        return Tag(TorchPolicy.MUST_SAVE, "random op: saved so backward sees the forward's values")
+    kind = options.globs.match(name) if options.globs else None
+    if kind is not None:
+        return Tag(_MUST[kind], f"backend option {kind.lower()} glob")
+    region_globs = _region_globs(custom)
+    kind = region_globs.match(name) if region_globs is not None else None
+    if kind is not None:
+        return Tag(_MUST[kind], f"region '{custom.get(META_REGION)}' {kind.lower()} glob")
+    written = custom.get(META_POLICY)
+    if written is not None and custom.get(META_NAME) is not None:
+        return Tag(_MUST[written], f"{written} at the call site of '{custom[META_NAME]}'")
+    if custom.get(META_REGION) is not None or node.meta.get("recompute") is not None:
+        return Tag(TorchPolicy.PREFER_RECOMPUTE, f"inside checkpoint region '{custom.get(META_REGION, '?')}'")
+    return None
+
+
+def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
+    """Tag the forward nodes and write the tags where the min-cut partitioner reads them."""
+    tags: Dict[fx.Node, Tag] = {}
+    for node in joint.forward:
+        tag = tag_node(joint, node, options)
+        if tag is not None:
+            tags[node] = tag
+    # a SAVE autograd Function keeps what its backward reads, whoever produced it
+    saved_ops = {joint.custom(n)[META_NAME] for n, t in tags.items()
+                 if t.saves and not is_random(n) and joint.custom(n).get(META_KIND) == "op"}
+    for node in joint.backward:
+        custom = joint.custom(node)
+        owner = custom.get(META_NAME)
+        if owner in saved_ops and custom.get(META_KIND) == "op":
+            for arg in node.all_input_nodes:
+                if arg in joint.forward and not (tags.get(arg) and tags[arg].policy is TorchPolicy.MUST_SAVE):
+                    tags[arg] = Tag(TorchPolicy.MUST_SAVE, f"read by the backward of SAVE op '{owner}'")
+    for node, tag in tags.items():
+        node.meta["recompute"] = tag.policy
+    return tags
