@@ -3,6 +3,7 @@
     import remat_fx as remat
     y = remat.checkpoint()(block)(x)
 """
+from remat_fx.annotate import annotate
 from remat_fx.backend import backend
 from remat_fx.passes.plan import Plan, SavedActivation, last_plan
 from remat_fx.policy import CheckpointPolicy
@@ -16,6 +17,7 @@ from remat_fx.runtime.report import MemoryReport, SavedEntry, memory_report
 __all__ = [
     "Plan",
     "SavedActivation",
+    "annotate",
     "backend",
     "last_plan",
     "CPUOffloader",

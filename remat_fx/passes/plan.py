@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -14,7 +15,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from remat_fx.naming import META_KIND, META_NAME
-from remat_fx.passes.capture import JointGraph
+from remat_fx.passes.capture import JointGraph, op_name
 from remat_fx.passes.tag import Tag
 
 
@@ -36,6 +37,8 @@ class Plan:
     recompute_flops: int = 0
     recomputed: List[str] = field(default_factory=list)  # forward nodes the backward recomputes
     lower: str = "inductor"
+    forward_ops: Counter = field(default_factory=Counter)  # aten op name -> count, in the forward graph
+    backward_ops: Counter = field(default_factory=Counter)
 
     @property
     def total_bytes(self) -> int:
@@ -132,6 +135,8 @@ def build_plan(joint: JointGraph, tags: Dict[fx.Node, Tag], fw: fx.GraphModule, 
             counted.setdefault(base.name, name)
         plan.saved.append(SavedActivation(name, saved.name, tuple(val.shape), val.dtype, nbytes, reason, owner,
                                           _source(node)))
+    plan.forward_ops = Counter(op_name(n) for n in fw.graph.nodes if n.op == "call_function")
+    plan.backward_ops = Counter(op_name(n) for n in bw.graph.nodes if n.op == "call_function")
     fwd_names = {n.name for n in joint.forward}
     for node in bw.graph.nodes:
         if node.op == "call_function" and node.name in fwd_names:

@@ -87,6 +87,8 @@ class Checkpointed:
                 out = torch_checkpoint.checkpoint(_TracedBody(self), *args, use_reentrant=False,
                                                   **self.torch_options, **kwargs)
             return check_output(out, self.name)
+        if _inside_compiled_frame():
+            _warn_fallback(self.name)  # Dynamo gave up on this call and runs it eagerly
         if not torch.is_grad_enabled():
             return check_output(self.fn(*args, **kwargs), self.name)
         parent = active_tape()
@@ -129,19 +131,32 @@ class _TracedBody:
             return self.owner.fn(*args, **kwargs)
         owner = self.owner
         if self.tape is None:
-            if not getattr(owner, "_warned_fallback", False):
-                owner._warned_fallback = True
-                warnings.warn(
-                    f"remat_fx: torch.compile could not trace checkpoint region '{owner.name}' as one graph "
-                    "(a graph break inside it), so the region runs on the eager named tape instead: the same "
-                    "names and policies are honoured, without compiler partitioning. Make the region "
-                    "traceable (see torch._dynamo.explain) to compile it.",
-                    stacklevel=2,
-                )
+            _warn_fallback(owner.name)
             self.tape = Tape(owner.name, owner.globs or None, resolve_offloader(owner.offloader), None)
         out = _RegionBody(owner.fn, self.tape)(*args, **kwargs)
         self.tape.trigger = None  # PyTorch's checkpoint recomputes this region lazily here
         return out
+
+
+_WARNED = set()
+
+
+def _inside_compiled_frame() -> bool:
+    """True while a torch.compile'd function runs code Dynamo could not trace (its eager fallback)."""
+    return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
+
+
+def _warn_fallback(name: str) -> None:
+    if name in _WARNED:
+        return
+    _WARNED.add(name)
+    warnings.warn(
+        f"remat_fx: torch.compile could not trace checkpoint region '{name}' as one graph (a graph break "
+        "inside it), so the region runs on the eager named tape instead: the same names and policies are "
+        "honoured, without compiler partitioning. Make the region traceable (see torch._dynamo.explain) "
+        "to compile it.",
+        stacklevel=3,
+    )
 
 
 class _RegionBody:

@@ -143,25 +143,50 @@ def native_op(fn, name: str, policy=None):
             args, kwargs = tree_unflatten(list(handle.load_inputs(tuple(flat))), spec)
         else:  # flat positional arguments: no pytree round trip on the hot path
             args = handle.load_inputs(args)
-        rec = handle.record
-        if handle.policy is CheckpointPolicy.RECOMPUTE:
+        with SacScope(handle):
             out = fn(*args, **kwargs)
-        elif tape.phase == FORWARD:
-            storage = defaultdict(dict)
-            with torch_checkpoint._CachingTorchDispatchMode(_must_save, storage):
-                out = fn(*args, **kwargs)
-            offloader = tape.offloader if handle.policy is CheckpointPolicy.OFFLOAD else None
-            rec.sac = SacCache(storage, offloader)
-        else:
-            # cache hits on in-place ops (dropout's bernoulli_) bump versions: checked in load() instead
-            with torch_checkpoint._CachedTorchDispatchMode(None, rec.sac.load(tape, name), True):
-                out = fn(*args, **kwargs)
-            if rec.rng_after is not None:
-                rng_restore(rec.rng_after)
         handle.finish((out,) if isinstance(out, torch.Tensor) else tuple(tree_flatten(out)[0]), single=True)
         return out
 
     return call
+
+
+class SacScope:
+    """Run a block of native ops as one named op: under SAVE/OFFLOAD the forward caches every
+    op's output (PyTorch's SAC caching mode) and the recompute replays them from the cache
+    without running the ops, then restores the RNG the skipped ops consumed. Under
+    RECOMPUTE the ops simply run."""
+
+    __slots__ = ("handle", "mode", "storage")
+
+    def __init__(self, handle: RematHandle):
+        self.handle, self.mode, self.storage = handle, None, None
+
+    def __enter__(self):
+        handle, tape = self.handle, self.handle.tape
+        if handle.policy is CheckpointPolicy.RECOMPUTE:
+            return self
+        if tape.phase == FORWARD:
+            self.storage = defaultdict(dict)
+            self.mode = torch_checkpoint._CachingTorchDispatchMode(_must_save, self.storage)
+        else:
+            # cache hits on in-place ops (dropout's bernoulli_) bump versions: checked in load() instead
+            self.mode = torch_checkpoint._CachedTorchDispatchMode(None, handle.record.sac.load(tape, handle.name), True)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.mode is None:
+            return False
+        self.mode.__exit__(*exc)
+        if exc[0] is None:
+            handle, rec = self.handle, self.handle.record
+            if self.storage is not None:
+                offloader = handle.tape.offloader if handle.policy is CheckpointPolicy.OFFLOAD else None
+                rec.sac = SacCache(self.storage, offloader)
+            elif rec.rng_after is not None:
+                rng_restore(rec.rng_after)
+        return False
 
 
 class SacCache:

@@ -1,0 +1,52 @@
+"""remat.annotate(name, policy=None): name a block of native ops, in both modes.
+
+    with remat.annotate("layers.0.mlp", policy=remat.CheckpointPolicy.SAVE):
+        h = torch.nn.functional.gelu(x @ w1) @ w2
+
+Compiler mode: every op traced inside gets the name ``<name>.<op>.<k>`` (``layers.0.mlp.mm.1``)
+and the policy, which the tag pass honours. Eager mode, inside a checkpoint region: the block is
+one named op on the tape, run through the same machinery as ``remat.native_op``: SAVE caches the
+block's outputs and skips it in recompute; RECOMPUTE reruns it. Outside a region it only names.
+Unlike ``native_op`` the block's inputs are not known, so a SAVE block must not read a SAVE
+op's output (use ``remat.native_op`` there).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from remat_fx.naming import META_KIND, META_NAME, META_POLICY, check_name, tracing_annotation
+from remat_fx.policy import coerce_policy
+from remat_fx.runtime.handle import RematHandle
+from remat_fx.runtime.ops import SacScope
+from remat_fx.runtime.tape import active_tape
+
+
+def annotate(name: str, policy=None):
+    """A context manager naming the native ops inside it (and giving them ``policy``)."""
+    check_name(name, "remat.annotate")
+    policy = coerce_policy(policy, what=f"remat.annotate('{name}')")
+    if torch.compiler.is_compiling():
+        return tracing_annotation({META_NAME: name, META_POLICY: policy and policy.name, META_KIND: "annotate"})
+    return _EagerBlock(name, policy)
+
+
+class _EagerBlock(contextlib.AbstractContextManager):
+    def __init__(self, name, policy):
+        self.name, self.policy, self.scope = name, policy, None
+
+    def __enter__(self):
+        tape = active_tape()
+        if tape is not None:
+            handle = RematHandle(None, self.name, self.policy, kind="native", tape=tape)
+            self.scope = SacScope(handle).__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        scope, self.scope = self.scope, None
+        if scope is not None:
+            scope.__exit__(*exc)
+            if exc[0] is None:
+                scope.handle.finish((), single=False)  # the RNG the block consumed, for SAVE
+        return False

@@ -1,0 +1,181 @@
+"""Compiler mode: backend options, entry point, node names, tags followed by the partition, plans."""
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import remat_fx as remat
+from tests.helpers import RUNS, P, alinear, exp, grads, linear
+
+
+def _compile(fn, **options):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="remat", options={"lower": "eager", **options}, fullgraph=True)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"saev": ["*"]}, r"unknown option\(s\) \['saev'\]. Valid options:\n  save: "),
+    ({"memory_budget": 0.5}, r"option 'memory_budget' is reserved for the activation memory budget"),
+    ({"lower": "triton"}, r"option 'lower' must be one of \['inductor', 'eager'\], got 'triton'"),
+    ({"save": [1]}, r"option 'save' must hold glob strings, got 1"),
+    ({"report": "yes"}, r"option 'report' must be True or False"),
+])
+def test_bad_options_are_rejected(options, message):
+    f = torch.compile(lambda x: x.sin(), backend="remat", options=options)
+    with pytest.raises(Exception, match=message):
+        f(torch.ones(2, requires_grad=True))
+
+
+def test_backend_registered_by_entry_point():
+    code = ("import sys, torch; f = torch.compile(lambda x: x.sin() * 2, backend='remat', "
+            "options={'lower': 'eager'}); x = torch.ones(3, requires_grad=True); f(x).sum().backward(); "
+            "assert 'remat_fx' in sys.modules; print(x.grad.tolist())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str([2 * torch.ones(1).cos().item()] * 3)
+
+
+@pytest.mark.parametrize("policy, fw_exp, bw_exp", [(P.SAVE, 1, 0), (P.RECOMPUTE, 1, 1)])
+def test_partition_follows_tags(policy, fw_exp, bw_exp):
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def block(x):
+        return exp(x.sin(), "e", policy).cos()
+
+    want = grads(block(x).sum(), [x])
+    got = grads(_compile(lambda x: remat.checkpoint()(block)(x).sum())(x), [x])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    plan = remat.last_plan()
+    assert (plan.forward_ops["exp"], plan.backward_ops["exp"]) == (fw_exp, bw_exp)
+    saved = {s.name for s in plan.saved if s.bytes}
+    assert ("e" in saved) == (policy is P.SAVE)
+
+
+def test_option_globs_override_call_sites():
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def block(x):
+        return exp(exp(x.sin(), "a.e", P.RECOMPUTE), "b.e", P.SAVE).cos()
+
+    _compile(lambda x: remat.checkpoint()(block)(x).sum(), save=["a.*"], recompute=["b.*"])(x).backward()
+    plan = remat.last_plan()
+    reasons = {s.name: s.reason for s in plan.saved}
+    assert reasons["a.e"] == "backend option save glob"
+    assert "b.e" not in reasons and plan.backward_ops["exp"] == 1  # b.e rerun in backward
+
+
+def test_region_globs_in_compiler_mode():
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def block(x):
+        return exp(x.sin(), "layers.0.e", P.RECOMPUTE).cos()
+
+    _compile(lambda x: remat.checkpoint(save="*.e")(block)(x).sum())(x).backward()
+    assert {s.name: s.reason for s in remat.last_plan().saved}["layers.0.e"] == "region 'block' save glob"
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.up = torch.nn.Linear(d, 4 * d)
+        self.down = torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, x):
+        return remat.checkpoint("mlp")(self.mlp)(x).sum()
+
+
+def test_unannotated_model_named_by_module_path():
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(4, 16, requires_grad=True)
+    want = grads(net(x), [x, *net.parameters()])
+    f = _compile(net, save=["mlp.up.addmm"])
+    got = grads(f(x), [x, *net.parameters()])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    plan = remat.last_plan()
+    by_name = {s.name: s for s in plan.saved}
+    assert by_name["mlp.up.addmm"].reason == "backend option save glob" and by_name["mlp.up.addmm"].bytes == 4 * 64 * 4
+    params = [s for s in plan.saved if s.reason == "parameter"]
+    assert params and all(s.bytes == 0 for s in params)
+    assert plan.backward_ops["gelu"] == 0 and plan.backward_ops["addmm"] == 0  # only gelu's backward math
+    assert "gelu" in str(plan) or "mlp.up.addmm" in str(plan)
+
+
+@pytest.mark.parametrize("policy", [P.SAVE, P.RECOMPUTE])
+def test_annotate_names_native_blocks(mode, policy):
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def block(x):
+        with remat.annotate("blk", policy=policy):
+            h = (x @ w).sin()
+        return h.cos()
+
+    want = grads(block(x).sum(), [x, w])
+    out = mode(lambda x: remat.checkpoint()(block)(x).sum())(x)
+    report = remat.memory_report(out)
+    mode.assert_grads(grads(out, [x, w]), want)
+    if mode.compiled:
+        plan = remat.last_plan()
+        names = {s.name for s in plan.saved if s.bytes}
+        assert ("blk.sin.0" in names) == (policy is P.SAVE)
+        assert plan.backward_ops["mm"] == (2 if policy is P.SAVE else 3)
+    else:
+        cached = [(e.name, e.policy) for e in report.entries if e.op == "blk"]
+        assert cached == ([("aten.mm.default#0.0", "SAVE"), ("aten.sin.default#0.0", "SAVE")]
+                          if policy is P.SAVE else [])
+
+
+def test_graph_break_in_region_falls_back_to_the_tape():
+    w = (0.1 * torch.randn(16, 16)).requires_grad_()
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def block(x):
+        h = exp(alinear(x, w, "mm", P.SAVE), "e", P.RECOMPUTE)
+        torch._dynamo.graph_break()
+        return h.sin()
+
+    want = grads(block(x).sum(), [x, w])
+    RUNS.clear()
+    torch._dynamo.reset()
+    remat.runtime.checkpoint._WARNED.discard("blk")
+    f = torch.compile(lambda x: remat.checkpoint("blk")(block)(x).sum(), backend="remat",
+                      options={"lower": "eager"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = f(x)
+    msgs = [str(w.message) for w in caught if "remat_fx" in str(w.message)]
+    assert len(msgs) == 1 and "could not trace checkpoint region 'blk'" in msgs[0]
+    # the tape holds what eager mode holds: the SAVE op's backward input x is a leaf (PARAM),
+    # and its output, read by the RECOMPUTE exp, is saved for it
+    assert remat.memory_report(out).bytes_by_owner() == {"mm": 8 * 16 * 4}
+    got = grads(out, [x, w])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert RUNS["exp"] == 2  # forward + recompute: the RECOMPUTE op was rerun
+
+
+def test_explicit_handle_functions_lose_names_under_compile():
+    """get_handle-style Functions trace as pass-through: their name/policy do not reach the compiler
+    (wrap the call in remat.annotate, or use remat.auto_forward + remat.op)."""
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    _compile(lambda x: remat.checkpoint()(lambda x: linear(x, w, "l", P.SAVE).sin())(x).sum())(x).backward()
+    assert "l" not in {s.name for s in remat.last_plan().saved}
+    _compile(lambda x: remat.checkpoint()(lambda x: _annotated_linear(x, w).sin())(x).sum())(x).backward()
+    assert "l.mm.0" in {s.name for s in remat.last_plan().saved}
+
+
+def _annotated_linear(x, w):
+    with remat.annotate("l", P.SAVE):
+        return linear(x, w, "l", P.SAVE)
