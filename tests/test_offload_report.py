@@ -87,7 +87,7 @@ def test_native_offload():
     out = remat.checkpoint(offloader=off)(block)(x).sum()
     assert [e.policy for e in remat.memory_report(out).entries if e.op == "mm"] == ["OFFLOAD"]
     assert_equal_grads(grads(out, [x, w]), want)
-    assert [k for k, _ in off.log] == ["pack", "unpack"]
+    assert [k for k, _ in off.log] == ["pack", "prefetch", "unpack"]
 
 
 def test_bad_offloader():

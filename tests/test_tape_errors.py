@@ -98,8 +98,10 @@ class _Flip:
     ("policy", r"diverged from its forward at op #1: forward ran 'b' \(SAVE\), recompute ran 'b' \(RECOMPUTE\)"),
     ("fewer", r"op 'b' \(SAVE\) ran in forward but not in recompute"),
     ("more", r"op 'c' \(RECOMPUTE\) ran in recompute after all 2 forward ops"),
-    ("shape", r"at op 'b': input 0 was \(4, 4\) float32 on cpu in forward but \(4, 2\) float32 on cpu"),
-    ("auto", r"at op 'e': input 0 was \(4, 4\) float32 on cpu in forward but \(4, 2\) float32 on cpu"),
+    ("shape", r"at op 'b': input 0 was \(4, 4\) float32 on cpu \(stride \(4, 1\), offset 0\) in forward but "
+              r"\(4, 2\) float32 on cpu \(stride \(4, 1\), offset 0\) in recompute"),
+    ("auto", r"at op 'e': input 0 was \(4, 4\) float32 on cpu \(stride \(4, 1\), offset 0\) in forward but "
+             r"\(4, 2\) float32 on cpu"),
 ])
 def test_desync_names_first_diverging_op(change, message):
     w = torch.randn(4, 4, requires_grad=True)

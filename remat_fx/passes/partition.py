@@ -7,6 +7,7 @@ that the result follows every MUST tag.
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
@@ -33,11 +34,16 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
 
 
 def check_follows_tags(names, tags, bw: fx.GraphModule) -> None:
-    """No MUST_SAVE node may be recomputed in the backward graph (nodes keep their names)."""
-    rerun = {n.name for n in bw.graph.nodes if n.op == "call_function"}
+    """No MUST_SAVE node may be recomputed in the backward graph (nodes keep their names).
+    Views are exempt: the partitioner may save a view's base and redo the free view."""
+    rerun = {n.name for n in bw.graph.nodes if n.op == "call_function" and not _is_view(n)}
     for node, tag in tags.items():
         if tag.policy is TorchPolicy.MUST_SAVE and node.name in rerun:
             raise RuntimeError(
                 f"remat_fx: the partition recomputes '{names.get(node, node.name)}' ({node.name}), "
                 f"which is tagged MUST_SAVE ({tag.reason}). Please report this with the model."
             )
+
+
+def _is_view(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view

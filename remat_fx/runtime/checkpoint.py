@@ -38,6 +38,10 @@ def checkpoint(name=None, /, **options):
 
     The first call binds options, the second the function, the third the arguments.
     """
+    if "name" in options:
+        if name is not None:
+            raise TypeError("remat.checkpoint: the region name was given twice (positionally and as name=)")
+        name = options.pop("name")
     if callable(name):
         raise TypeError(
             "remat.checkpoint takes options, not the function: write "
@@ -84,8 +88,8 @@ class Checkpointed:
             # compiler mode: PyTorch's checkpoint HOP, with the region's name and globs on its nodes
             globs = (self.globs.save, self.globs.offload, self.globs.recompute)
             with tracing_annotation({META_REGION: self.name, META_REGION_GLOBS: globs}):
-                out = torch_checkpoint.checkpoint(_TracedBody(self), *args, use_reentrant=False,
-                                                  **self.torch_options, **kwargs)
+                out = torch_checkpoint.checkpoint(_TracedBody(self), kwargs, *args, use_reentrant=False,
+                                                  **self.torch_options)
             return check_output(out, self.name)
         if _inside_compiled_frame():
             _warn_fallback(self.name)  # Dynamo gave up on this call and runs it eagerly
@@ -99,13 +103,18 @@ class Checkpointed:
                                  kind="region", tape=parent)
             flat, spec = tree_flatten((args, kwargs))
             args, kwargs = tree_unflatten(list(handle.load_inputs(tuple(flat))), spec)
-        tape = Tape(self.name, self.globs or None, resolve_offloader(self.offloader), parent)
+        tape = Tape(self.name, self.globs or None, resolve_offloader(self.offloader), parent,
+                    self.torch_options["preserve_rng_state"])
         tape.inputs = [weakref.ref(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        # the user's kwargs travel as one positional dict: none can collide with checkpoint's own
         out = torch_checkpoint.checkpoint(
-            _RegionBody(self.fn, tape), *args, use_reentrant=False, **self.torch_options, **kwargs
+            _RegionBody(self.fn, tape), kwargs, *args, use_reentrant=False, **self.torch_options
         )
         trigger, tape.trigger = tape.trigger, None
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        # an input returned unchanged is not the region's: no hook or tape on it
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
+                and id(t) not in inputs]
         if outs and trigger is not None:
             torch.autograd.graph.register_multi_grad_hook(outs, _StartRecompute(tape, trigger), mode="any")
             for node in {t.grad_fn for t in outs if t.grad_fn is not None}:
@@ -126,14 +135,15 @@ class _TracedBody:
     def __init__(self, owner: "Checkpointed"):
         self.owner, self.tape = owner, None
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, kwargs, *args):
         if torch.compiler.is_compiling():
             return self.owner.fn(*args, **kwargs)
         owner = self.owner
         if self.tape is None:
             _warn_fallback(owner.name)
-            self.tape = Tape(owner.name, owner.globs or None, resolve_offloader(owner.offloader), None)
-        out = _RegionBody(owner.fn, self.tape)(*args, **kwargs)
+            self.tape = Tape(owner.name, owner.globs or None, resolve_offloader(owner.offloader), None,
+                             owner.torch_options["preserve_rng_state"])
+        out = _RegionBody(owner.fn, self.tape)(kwargs, *args)
         self.tape.trigger = None  # PyTorch's checkpoint recomputes this region lazily here
         return out
 
@@ -167,7 +177,7 @@ class _RegionBody:
     def __init__(self, fn, tape):
         self.fn, self.tape = fn, tape
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, kwargs, *args):
         tape = self.tape
         phase = tape.begin_pass()
         token = _ACTIVE.set(tape)
@@ -204,8 +214,14 @@ class _StartRecompute:
         self.tape, self.trigger = tape, trigger
 
     def __call__(self, grad):
+        if self.trigger is None:
+            return
         self.tape.prefetch()
         self.trigger.saved_tensors  # noqa: B018 - the unpack runs PyTorch's recompute now
+        if not self.tape.keep_graph:
+            # the trigger's saved tensor pins PyTorch's checkpoint frame and so the region's
+            # inputs: let them go with the rest of the graph's buffers
+            self.trigger = None
 
 
 def check_output(out, region: str, path: str = "output"):

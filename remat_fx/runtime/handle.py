@@ -90,7 +90,7 @@ class RematHandle:
         tensors = [s.load(self.tape, self.name) if s is not None else None for s in rec.saved or ()]
         if self.ctx is not None:
             self.ctx.save_for_backward(*tensors)
-        if rec.rng_after is not None:
+        if rec.rng_after is not None and self.tape.preserve_rng:
             rng_restore(rec.rng_after)
         outs = tuple(Placeholder.like(m, self.name) if m is not None else c
                      for m, c in zip(rec.out_metas, rec.out_consts))

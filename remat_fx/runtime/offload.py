@@ -39,7 +39,7 @@ class CPUOffloader:
         stream = self._stream(t.device)
         stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(stream):
-            host = torch.empty(t.size(), dtype=t.dtype, pin_memory=self.pin_memory)
+            host = torch.empty_like(t, device="cpu", pin_memory=self.pin_memory)  # keeps dense strides
             host.copy_(t, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
@@ -60,7 +60,7 @@ class CPUOffloader:
             return packed
         self.prefetch(packed)
         torch.cuda.current_stream(packed.device).wait_event(packed.fetched_event)
-        out = packed.fetched
+        out, packed.fetched = packed.fetched, None  # a retained tape refetches from host next time
         out.record_stream(torch.cuda.current_stream(packed.device))
         return out
 

@@ -122,6 +122,9 @@ def auto_forward(*saved_names: str):
 
 
 def _must_save(ctx, func, *args, **kwargs):
+    # views are free to redo and would pin (and charge, and offload) their base, e.g. a weight's .t()
+    if func.is_view:
+        return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
     return torch_checkpoint.CheckpointPolicy.MUST_SAVE
 
 
@@ -184,7 +187,7 @@ class SacScope:
             if self.storage is not None:
                 offloader = handle.tape.offloader if handle.policy is CheckpointPolicy.OFFLOAD else None
                 rec.sac = SacCache(self.storage, offloader)
-            elif rec.rng_after is not None:
+            elif rec.rng_after is not None and handle.tape.preserve_rng:
                 rng_restore(rec.rng_after)
         return False
 
@@ -209,7 +212,7 @@ class SacCache:
                     calls[idx] = torch.utils._pytree.tree_map(self._pack, wrapped)
 
     def _pack(self, w):
-        if isinstance(w.val, torch.Tensor):
+        if isinstance(w, torch_checkpoint._VersionWrapper) and isinstance(w.val, torch.Tensor):
             w.val = _OffloadedValue(self.offloader, w.val)
         return w
 
@@ -221,6 +224,14 @@ class SacCache:
                     val = getattr(w, "val", None)
                     if val is not None:
                         yield f"{func}#{idx}.{k}", val
+
+    def prefetch(self):
+        pre = getattr(self.offloader, "prefetch", None)
+        if pre is None:
+            return
+        for _, val in self.tensors():
+            if isinstance(val, _OffloadedValue):
+                pre(val.packed)
 
     def _versions(self):
         for label, val in self.tensors():
@@ -243,7 +254,7 @@ class SacCache:
                 )
 
         def fresh(w):  # offloaded values come back as new tensors
-            if isinstance(w.val, _OffloadedValue):
+            if isinstance(w, torch_checkpoint._VersionWrapper) and isinstance(w.val, _OffloadedValue):
                 return torch_checkpoint._VersionWrapper(w.val.unpack())
             return w
 
@@ -260,7 +271,7 @@ class _OffloadedValue:
 
     def __init__(self, offloader, original: torch.Tensor):
         self.offloader = offloader
-        self.packed = offloader.pack(original)
+        self.packed = offloader.pack(original.detach())
         self.meta = TensorMeta.of(original)
 
     def unpack(self):

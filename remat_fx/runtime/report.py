@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from remat_fx.runtime.checkpoint import TAPE_KEY
 from remat_fx.runtime.tape import Tape, TensorMeta
+from remat_fx.runtime.tape import is_param as tape_is_param
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def memory_report(*outputs) -> MemoryReport:
         base = tensor._base if tensor is not None and tensor._base is not None else tensor
         qual = f"{op}.{name}" if op else name
         if is_param is None:
-            is_param = tensor is not None and base.is_leaf and base.requires_grad
+            is_param = tensor is not None and tape_is_param(tensor)
         if is_param:
             policy, nbytes, alias = "PARAM", 0, None
         else:
@@ -121,8 +122,8 @@ def memory_report(*outputs) -> MemoryReport:
                 storage = tensor.untyped_storage()
                 key = (str(tensor.device), storage.data_ptr(), storage.nbytes())
                 size = storage.nbytes()
-            else:
-                key = ("packed", id(value))
+            else:  # opaque packed values are never folded: one key each
+                key = ("packed", len(report.entries))
                 size = meta.size.numel() * meta.dtype.itemsize
             alias = counted.get(key)
             nbytes = 0 if alias is not None else size

@@ -15,6 +15,7 @@ from contextvars import ContextVar
 from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat_fx.naming import NameGlobs
 from remat_fx.policy import CheckpointPolicy, resolve_policy
@@ -45,24 +46,28 @@ class TensorMeta(NamedTuple):
         return _new_tuple(cls, (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device))
 
     def describe(self) -> str:
-        return f"{tuple(self.size)} {str(self.dtype).replace('torch.', '')} on {self.device}"
+        return (f"{tuple(self.size)} {str(self.dtype).replace('torch.', '')} on {self.device} "
+                f"(stride {tuple(self.stride)}, offset {self.storage_offset})")
 
 
 class Slot:
     """One tensor held by the tape: the tensor itself, or what an offloader packed it into."""
 
-    __slots__ = ("name", "value", "offloader", "version", "meta", "is_param")
+    __slots__ = ("name", "value", "offloader", "version", "meta", "is_param", "aliased")
 
     def __init__(self, name: str, tensor: torch.Tensor, offloader=None):
         self.name = name
         self.meta = TensorMeta.of(tensor)
         self.version = tensor._version
-        base = tensor._base if tensor._base is not None else tensor
-        self.is_param = base.is_leaf and base.requires_grad
+        self.is_param = is_param(tensor)
         self.offloader = offloader if not self.is_param else None
         # detached: same storage and version counter, but no grad_fn, so the tape (which the
-        # graph owns) never owns the graph back
-        self.value = self.offloader.pack(tensor) if self.offloader is not None else tensor.detach()
+        # graph owns) never owns the graph back; offloaders get the detached alias too
+        detached = tensor.detach()
+        self.value = self.offloader.pack(detached) if self.offloader is not None else detached
+        # an offloader that keeps the tensor where it is (CPU tensors) still shares its version
+        # counter: the in-place check applies. Copies cannot be checked after the copy.
+        self.aliased = self.value is detached
 
     @property
     def released(self) -> bool:
@@ -72,13 +77,12 @@ class Slot:
         if self.value is None:
             raise RuntimeError(
                 f"remat_fx: tensor '{self.name}' of op '{op_name}' in region '{tape.name}' was already "
-                "released by an earlier backward. Pass retain_graph=True to the first backward to run "
-                "backward through this region again."
+                "released by an earlier backward: a backward that does not retain the graph recomputes the "
+                "whole region once and releases its tape. Pass retain_graph=True to the first backward, or "
+                "run one backward through all the region's outputs."
             )
-        if self.offloader is not None:
-            t = self.offloader.unpack(self.value)
-        else:
-            t = self.value
+        t = self.offloader.unpack(self.value) if self.offloader is not None else self.value
+        if self.aliased or self.offloader is None:
             if t._version != self.version:
                 raise RuntimeError(
                     f"remat_fx: tensor '{self.name}' saved by op '{op_name}' in region '{tape.name}' was "
@@ -132,14 +136,25 @@ def rng_restore(state) -> None:
 
 
 def rng_changed(before, after) -> bool:
-    return any(not torch.equal(a, b) for a, b in zip(before, after))
+    return len(before) != len(after) or any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+def is_param(t: torch.Tensor) -> bool:
+    """Parameters (frozen ones too) and leaves that require grad: the user holds them anyway."""
+    base = t._base if t._base is not None else t
+    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
 class Tape:
     """Named records of one checkpoint-region call, shared by its forward and recomputes."""
 
-    def __init__(self, name: str, globs: Optional[NameGlobs], offloader, parent: Optional["Tape"]):
+    def __init__(self, name: str, globs: Optional[NameGlobs], offloader, parent: Optional["Tape"],
+                 preserve_rng: bool = True):
         self.name = name
+        self.preserve_rng = preserve_rng
+        # storages of skipped (SAVE/OFFLOAD) ops' outputs in forward, for consumers that reach them
+        # through an alias without the tag (detach(), .data): StorageWeakRef key -> tag
+        self.skipped: Dict[Any, tuple] = {}
         self.globs = globs
         self.offloader = offloader
         self.seq = next(_SEQ)
@@ -229,6 +244,8 @@ class Tape:
                     pre = getattr(slot.offloader, "prefetch", None)
                     if pre is not None:
                         pre(slot.value)
+            if rec.sac is not None:
+                rec.sac.prefetch()
 
 
 # A SAVE/OFFLOAD op's outputs carry this tag in forward, so a RECOMPUTE consumer
@@ -237,14 +254,22 @@ _TAG = "_remat_fx_skipped"
 
 
 def tag_skipped_output(t: torch.Tensor, tape: Tape, rec: Record, out_name: str) -> None:
-    setattr(t, _TAG, (weakref.ref(tape), rec.name, out_name, rec.policy))
+    tag = (weakref.ref(tape), rec.name, out_name, rec.policy)
+    setattr(t, _TAG, tag)
+    ref = StorageWeakRef(t.untyped_storage())
+    tape.skipped[ref.cdata] = (ref, tag)
 
 
 def skipped_producer(t: torch.Tensor, tape: Tape):
-    """(producer name, out name, policy) if ``t`` (or its view base) is a skipped op's output in ``tape``."""
+    """(producer name, out name, policy) if ``t`` is a skipped op's output in ``tape``, or a view
+    or alias of one (the tag on the tensor is the fast path; storage identity catches detach())."""
     tag = getattr(t, _TAG, None)
     if tag is None and t._base is not None:
         tag = getattr(t._base, _TAG, None)
+    if tag is None and tape.skipped:
+        found = tape.skipped.get(StorageWeakRef(t.untyped_storage()).cdata)
+        if found is not None and not found[0].expired():
+            tag = found[1]
     if tag is None or tag[0]() is not tape:
         return None
     return tag[1:]
