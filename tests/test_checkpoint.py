@@ -337,3 +337,20 @@ def test_tape_freed_when_backward_never_runs():
     del out
     assert tape_ref() is None and [r() for r in refs] == [None] * len(refs)
     gc.collect()
+
+
+def test_trailing_ops_that_save_nothing_are_not_rerun_nor_kept_for():
+    """The recompute stops after the region's last saved tensor: a trailing RECOMPUTE op that
+    saves nothing is not rerun, and the SAVE output it reads is not kept for it."""
+    (w,) = _params(1)
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def block(x):
+        h = alinear(x.sin(), w, "mm", P.SAVE)
+        return remat.native_op(torch.add, "residual", policy=P.RECOMPUTE)(x, h)
+
+    want = grads(block(x).sum(), [x, w])
+    out = remat.checkpoint()(block)(x)
+    report = remat.memory_report(out)
+    assert [(e.op, e.name) for e in report.entries if e.policy == "SAVE"] == [("mm", "x")]
+    assert_equal_grads(grads(out.sum(), [x, w]), want)

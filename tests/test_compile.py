@@ -129,8 +129,8 @@ def test_annotate_names_native_blocks(mode, policy):
     if mode.compiled:
         plan = remat.last_plan()
         names = {s.name for s in plan.saved if s.bytes}
-        assert ("blk.sin.0" in names) == (policy is P.SAVE)
-        assert plan.backward_ops["mm"] == (2 if policy is P.SAVE else 3)
+        assert any(n.startswith("blk.") for n in names) == (policy is P.SAVE)
+        assert plan.backward_ops["mm"] == (2 if policy is P.SAVE else 3)  # SAVE: the block's mm not rerun
     else:
         cached = [(e.name, e.policy) for e in report.entries if e.op == "blk"]
         assert cached == ([("aten.mm.default#0.0", "SAVE"), ("aten.sin.default#0.0", "SAVE")]

@@ -48,8 +48,7 @@ def test_save_matmuls_holds_exactly_the_named_tensors():
         "mlp.up.x": act,
         "mlp.act.inputs.0": 4 * act,
         "mlp.down.x": 4 * act,  # gelu output, the down matmul's backward input
-        "mlp.residual.inputs.1": act,
-    }
+    }  # mlp.residual.inputs.1 (down's output) is not kept: the recompute stops before that trailing add
     want = {f"layers.{i}.{k}" for i in range(CFG.n_layer) for k in per_layer}
     assert report.names() == want
     got = {e.qualname: e.bytes for e in report.entries if e.policy == "SAVE"}

@@ -17,7 +17,7 @@ class Inspect(torch.autograd.Function):
         SEEN.append(x)
         x = handle.save_or_load_inputs(x)
         SEEN.append(x)
-        handle.save_for_backward({})
+        handle.save_for_backward({"x": x})  # something saved: the recompute reaches this op
         return handle.record_outputs(x * 2)
 
     @staticmethod
@@ -97,7 +97,6 @@ class _Flip:
     ("name", r"diverged from its forward at op #1: forward ran 'b' \(SAVE\), recompute ran 'c' \(SAVE\)"),
     ("policy", r"diverged from its forward at op #1: forward ran 'b' \(SAVE\), recompute ran 'b' \(RECOMPUTE\)"),
     ("fewer", r"op 'b' \(SAVE\) ran in forward but not in recompute"),
-    ("more", r"op 'c' \(RECOMPUTE\) ran in recompute after all 2 forward ops"),
     ("shape", r"at op 'b': input 0 was \(4, 4\) float32 on cpu \(stride \(4, 1\), offset 0\) in forward but "
               r"\(4, 2\) float32 on cpu \(stride \(4, 1\), offset 0\) in recompute"),
     ("auto", r"at op 'e': input 0 was \(4, 4\) float32 on cpu \(stride \(4, 1\), offset 0\) in forward but "
@@ -116,12 +115,6 @@ def test_desync_names_first_diverging_op(change, message):
             h = linear(h, w, "b", (P.SAVE, P.RECOMPUTE)[pick])
         elif change == "fewer":
             h = linear(h, w, "b", P.SAVE) if pick == 0 else h * 1
-        elif change == "more":
-            h = linear(h, w, "b", P.SAVE)
-            if pick:
-                h = linear(h, w, "c", P.RECOMPUTE)
-            else:
-                h = h.view_as(h)
         elif change == "shape":
             h = linear(h if pick == 0 else h[:, :2], w if pick == 0 else w[:2], "b", P.RECOMPUTE)
         elif change == "auto":  # a SAVE op through auto_forward: its inputs are checked too
@@ -195,7 +188,7 @@ def test_save_op_must_record_outputs():
             handle = remat.get_handle(ctx, "norec", P.SAVE)
             if (ret := handle.maybe_load_saved()) is not None:
                 return ret
-            handle.save_for_backward({})
+            handle.save_for_backward({"x": x})
             return x * 2
 
         @staticmethod

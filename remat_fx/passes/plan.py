@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 from torch.utils.flop_counter import flop_registry
 
 from remat_fx.naming import META_KIND, META_NAME
@@ -126,8 +127,7 @@ def build_plan(joint: JointGraph, tags: Dict[fx.Node, Tag], fw: fx.GraphModule, 
         else:
             base_val = base.meta.get("val", val)
             nbytes = 0 if base.name in counted else base_val.untyped_storage().nbytes()
-            reason = tag.reason if tag is not None else (
-                "graph input" if base.op == "placeholder" else "min-cut choice")
+            reason = _reason(tag, base_node)
             if base.name in counted:
                 reason += f" (alias of {counted[base.name]})"
             elif base is not saved:
@@ -145,6 +145,18 @@ def build_plan(joint: JointGraph, tags: Dict[fx.Node, Tag], fw: fx.GraphModule, 
     return plan
 
 
+def _reason(tag: Optional[Tag], node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return "graph input"
+    if tag is None:
+        return "min-cut choice"
+    if tag.saves:
+        return tag.reason
+    if node.meta.get("recompute") is TorchPolicy.MUST_SAVE:  # set by the partitioner's cleanup
+        return "region boundary: an input of the next checkpoint region"
+    return f"min-cut choice over {tag.policy.name} ({tag.reason})"
+
+
 def _view_base(node: fx.Node) -> fx.Node:
     while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
            and node.target.is_view and node.args and isinstance(node.args[0], fx.Node)):
@@ -155,7 +167,9 @@ def _view_base(node: fx.Node) -> fx.Node:
 def _owner(joint: JointGraph, node: fx.Node, tag: Optional[Tag]) -> Optional[str]:
     """The remat op an activation is kept for, as eager mode's tape would file it: a SAVE op's
     backward input is filed under that op; a named op's own output under that op."""
-    if tag is not None and tag.reason.startswith("read by the backward of SAVE op '"):
+    if tag is None or not tag.saves or tag.reason.startswith("output of checkpoint region"):
+        return None  # region outputs belong to their consumers (eager: the next region's INPUT)
+    if tag.reason.startswith("read by the backward of SAVE op '"):
         return tag.reason.split("'")[1]
     custom = joint.custom(node)
     if custom.get(META_NAME) is not None and custom.get(META_KIND) in ("op", "native"):

@@ -4,9 +4,10 @@ Precedence (first that applies):
   1. random ops are saved (MUST_SAVE): recomputing them would draw fresh randomness;
   2. the backend's ``save``/``recompute`` option globs (MUST);
   3. the enclosing region's ``save``/``offload``/``recompute`` globs (MUST);
-  4. the policy written at the call site: remat.op / native_op / annotate (MUST);
-  5. inside a remat.checkpoint region: PREFER_RECOMPUTE, as non-reentrant AC recomputes it;
-  6. otherwise no tag: the min-cut partitioner chooses.
+  4. a region's outputs (MUST_SAVE): as in eager mode, their consumers outside the region hold them;
+  5. the policy written at the call site: remat.op / native_op / annotate (MUST);
+  6. inside a remat.checkpoint region: PREFER_RECOMPUTE, as non-reentrant AC recomputes it;
+  7. otherwise no tag: the min-cut partitioner chooses.
 Then, as in eager mode, a SAVE autograd Function (remat.op) keeps what its own backward
 reads: every forward node read by backward nodes of that op is MUST_SAVE.
 Backward nodes carry the forward's annotations in the joint graph and are never tagged.
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
@@ -56,10 +58,15 @@ def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions) -> Optio
     kind = region_globs.match(name) if region_globs is not None else None
     if kind is not None:
         return Tag(_MUST[kind], f"region '{custom.get(META_REGION)}' {kind.lower()} glob")
+    region = node.meta.get("ac_graph_id")
+    in_region = region is not None or custom.get(META_REGION) is not None
+    if in_region and any(u in joint.forward and u.meta.get("ac_graph_id") != region for u in node.users):
+        # as in eager mode, a region's outputs are held by their consumers outside it
+        return Tag(TorchPolicy.MUST_SAVE, f"output of checkpoint region '{custom.get(META_REGION, '?')}'")
     written = custom.get(META_POLICY)
     if written is not None and custom.get(META_NAME) is not None:
         return Tag(_MUST[written], f"{written} at the call site of '{custom[META_NAME]}'")
-    if custom.get(META_REGION) is not None or node.meta.get("recompute") is not None:
+    if in_region:
         return Tag(TorchPolicy.PREFER_RECOMPUTE, f"inside checkpoint region '{custom.get(META_REGION, '?')}'")
     return None
 
@@ -79,8 +86,19 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
         owner = custom.get(META_NAME)
         if owner in saved_ops and custom.get(META_KIND) == "op":
             for arg in node.all_input_nodes:
-                if arg in joint.forward and not (tags.get(arg) and tags[arg].policy is TorchPolicy.MUST_SAVE):
-                    tags[arg] = Tag(TorchPolicy.MUST_SAVE, f"read by the backward of SAVE op '{owner}'")
+                # a view is saved through its base (the partitioner redoes free views), so the
+                # base must not be recomputed either
+                for target in _with_view_bases(arg):
+                    if target in joint.forward and not (tags.get(target) and tags[target].policy is TorchPolicy.MUST_SAVE):
+                        tags[target] = Tag(TorchPolicy.MUST_SAVE, f"read by the backward of SAVE op '{owner}'")
     for node, tag in tags.items():
         node.meta["recompute"] = tag.policy
     return tags
+
+
+def _with_view_bases(node: fx.Node):
+    yield node
+    while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+           and node.target.is_view and node.args and isinstance(node.args[0], fx.Node)):
+        node = node.args[0]
+        yield node

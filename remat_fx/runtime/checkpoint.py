@@ -180,6 +180,11 @@ class _RegionBody:
     def __call__(self, kwargs, *args):
         tape = self.tape
         phase = tape.begin_pass()
+        # Saved first: unpacking it makes PyTorch recompute the region, which then stops (early
+        # stop) after the last tensor the region saves, so trailing ops that save nothing never rerun.
+        node = _RecomputeTrigger.apply(torch.empty(0, requires_grad=True)).grad_fn
+        if phase == FORWARD:
+            tape.trigger = node
         token = _ACTIVE.set(tape)
         try:
             out = self.fn(*args, **kwargs)
@@ -187,10 +192,6 @@ class _RegionBody:
             tape.end_pass()
         finally:
             _ACTIVE.reset(token)
-        # Saved last, so its unpack recomputes the whole region (and early stop ends there).
-        node = _RecomputeTrigger.apply(torch.empty(0, requires_grad=True)).grad_fn
-        if phase == FORWARD:
-            tape.trigger = node
         return out
 
 

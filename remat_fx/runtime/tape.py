@@ -15,6 +15,7 @@ from contextvars import ContextVar
 from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat_fx.naming import NameGlobs
@@ -98,7 +99,7 @@ class Record:
     """The tape entry of one named op call."""
 
     __slots__ = ("name", "policy", "kind", "saved", "saved_names", "inputs", "input_metas",
-                 "out_metas", "out_single", "out_consts", "sac", "rng_after")
+                 "out_metas", "out_single", "out_consts", "sac", "rng_after", "packs_before")
 
     def __init__(self, name: str, policy: CheckpointPolicy, kind: str):
         self.name = name
@@ -113,6 +114,7 @@ class Record:
         self.out_consts: Optional[list] = None
         self.sac = None  # native SAVE: SAC storage of the op's outputs
         self.rng_after = None  # RNG state after the op, when a skipped op consumed randomness
+        self.packs_before = None  # tensors the region had saved for backward when this op began
 
     def slots(self):
         for s in self.saved or ():
@@ -120,6 +122,20 @@ class Record:
                 yield "saved", s
         for s in self.inputs.values():
             yield "input", s
+
+
+def checkpoint_packs() -> Optional[int]:
+    """How many tensors the innermost PyTorch checkpoint frame has saved so far in its forward
+    (None when that cannot be read: no frame, or PyTorch's hooks changed shape)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    pack = hooks[0] if hooks else None
+    cells = getattr(pack, "__closure__", None) or ()
+    names = getattr(getattr(pack, "__code__", None), "co_freevars", ())
+    for name, cell in zip(names, cells):
+        if name == "frame":
+            holders = getattr(cell.cell_contents, "weak_holders", None)
+            return len(holders) if holders is not None else None
+    return None
 
 
 def rng_snapshot():
@@ -181,13 +197,30 @@ class Tape:
         return self.phase
 
     def end_pass(self) -> None:
-        if self.phase == RECOMPUTE and self.cursor != len(self.records):
+        if self.phase == FORWARD:
+            self._drop_trailing()
+            return
+        if self.cursor != len(self.records):
             missing = self.records[self.cursor]
             raise RuntimeError(
                 f"remat_fx: recompute of region '{self.name}' diverged from its forward: op "
                 f"'{missing.name}' ({missing.policy.name}) ran in forward but not in recompute. "
                 "Forward and recompute must run the same named ops in the same order."
             )
+
+    def _drop_trailing(self) -> None:
+        """PyTorch's checkpoint stops a recompute after the last tensor the region saved for
+        backward (early stop). Ops that began after that point never rerun, so what the tape
+        keeps for them (inputs of RECOMPUTE ops, caches of native SAVE ops) is released now,
+        before it is held until backward for nothing."""
+        final = checkpoint_packs()
+        if final is None or torch_checkpoint._enable_checkpoint_early_stop is False:
+            return
+        for rec in reversed(self.records):
+            if rec.packs_before is None or rec.packs_before < final:
+                break
+            rec.inputs = {}
+            rec.sac = None
 
     # -- records --------------------------------------------------------------
     def next_record(self, name: str, written: Optional[CheckpointPolicy], kind: str) -> Record:
@@ -200,6 +233,7 @@ class Tape:
                     "(e.g. include the layer index)."
                 )
             rec = Record(name, policy, kind)
+            rec.packs_before = checkpoint_packs()
             self.records.append(rec)
             self.by_name[name] = rec
             return rec

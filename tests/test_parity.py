@@ -1,0 +1,29 @@
+"""One annotation, two modes: the example GPT keeps the same named activations, with the same
+bytes, on the eager tape and in the compiled plan (both lowerings), with the same gradients."""
+import pytest
+import torch
+
+import remat_fx as remat
+from tests.test_example_gpt import CFG, gpt
+
+
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_gpt_same_named_activations_and_gradients(lower):
+    idx, targets = gpt.random_batch(CFG, 2, seed=3)
+    want = gpt.grads_of(gpt.make_model(CFG, "none", "recompute_all"), idx, targets)
+
+    model = gpt.make_model(CFG, "remat", "save_matmuls")
+    eager = remat.memory_report(model(idx, targets)).bytes_by_owner()
+    act = 2 * CFG.seq * CFG.d_model * 4
+    assert eager["layers.0.attn.qkv"] == 4 * act  # LN1 output (its x) + the qkv output for attn.core
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="remat", options={"lower": lower}, fullgraph=True)
+    model.zero_grad(set_to_none=True)
+    loss = compiled(idx, targets)
+    plan = remat.last_plan()
+    assert plan.lower == lower
+    assert plan.bytes_by_owner() == eager
+    loss.backward()
+    for name, g in want.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, g, rtol=1e-5, atol=1e-5)
