@@ -55,7 +55,7 @@ def module_path(node: fx.Node) -> Optional[str]:
         return None
     path = list(stack.values())[-1][0]
     # Dynamo spells paths as L['self'].layers[0].mlp or L['self']._modules['layers']._modules['0']
-    path = re.sub(r"^L\[['\"](self|mod|model|m)['\"]\]\.?", "", path)
+    path = re.sub(r"^[LG]\[['\"][^'\"]*['\"]\]\.?", "", path)  # the root: L['self'], G['model'], ...
     path = path.replace("._modules", "").replace("_modules", "")
     path = _SUBSCRIPT.sub(r".\1", path).strip(".")
     return re.sub(r"\.+", ".", path)
@@ -106,5 +106,16 @@ def _name(node: fx.Node, custom: dict, counts: Counter) -> str:
 
 
 def is_random(node: fx.Node) -> bool:
+    """Ops that draw from the RNG (attention with dropout_p == 0 does not)."""
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags):
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name == "dropout_p":
+            value = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else arg.default_value)
+            return value != 0
+    return True
+
+
+def is_multi_output(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))

@@ -126,15 +126,15 @@ def build_plan(joint: JointGraph, tags: Dict[fx.Node, Tag], fw: fx.GraphModule, 
             nbytes, reason = 0, "parameter"
         else:
             base_val = base.meta.get("val", val)
-            nbytes = 0 if base.name in counted else base_val.untyped_storage().nbytes()
+            nbytes = 0 if base.name in counted else _concrete(base_val.untyped_storage().nbytes())
             reason = _reason(tag, base_node)
             if base.name in counted:
                 reason += f" (alias of {counted[base.name]})"
             elif base is not saved:
                 reason += f" (a view of {joint.names.get(base_node, base.name)})"
             counted.setdefault(base.name, name)
-        plan.saved.append(SavedActivation(name, saved.name, tuple(val.shape), val.dtype, nbytes, reason, owner,
-                                          _source(node)))
+        plan.saved.append(SavedActivation(name, saved.name, tuple(_concrete(d) for d in val.shape), val.dtype,
+                                          nbytes, reason, owner, _source(node)))
     plan.forward_ops = Counter(op_name(n) for n in fw.graph.nodes if n.op == "call_function")
     plan.backward_ops = Counter(op_name(n) for n in bw.graph.nodes if n.op == "call_function")
     fwd_names = {n.name for n in joint.forward}
@@ -143,6 +143,14 @@ def build_plan(joint: JointGraph, tags: Dict[fx.Node, Tag], fw: fx.GraphModule, 
             plan.recomputed.append(node.name)
             plan.recompute_flops += _flops(node)
     return plan
+
+
+def _concrete(x) -> int:
+    """An int for a size that may be symbolic (dynamic shapes): its hint, the example's value."""
+    if isinstance(x, torch.SymInt):
+        hint = x.node.hint
+        return int(hint) if hint is not None else 0
+    return int(x)
 
 
 def _reason(tag: Optional[Tag], node: fx.Node) -> str:

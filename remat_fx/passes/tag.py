@@ -14,6 +14,7 @@ Backward nodes carry the forward's annotations in the joint graph and are never 
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -23,7 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
 from remat_fx.naming import META_KIND, META_NAME, META_POLICY, META_REGION, META_REGION_GLOBS, NameGlobs
 from remat_fx.options import BackendOptions
-from remat_fx.passes.capture import JointGraph, is_random
+from remat_fx.passes.capture import JointGraph, is_multi_output, is_random
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,12 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
                 for target in _with_view_bases(arg):
                     if target in joint.forward and not (tags.get(target) and tags[target].policy is TorchPolicy.MUST_SAVE):
                         tags[target] = Tag(TorchPolicy.MUST_SAVE, f"read by the backward of SAVE op '{owner}'")
+    # a tuple cannot be saved: a multi-output op's MUST_SAVE goes to its getitem outputs
+    for node in [n for n, t in tags.items() if t.saves and is_multi_output(n)]:
+        tag = tags.pop(node)
+        for user in node.users:
+            if user in joint.forward and user.target is operator.getitem:
+                tags[user] = tag
     for node, tag in tags.items():
         node.meta["recompute"] = tag.policy
     return tags
