@@ -7,6 +7,8 @@ that the result follows every MUST tag.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -35,8 +37,9 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
 
 def check_follows_tags(names, tags, bw: fx.GraphModule) -> None:
     """No MUST_SAVE node may be recomputed in the backward graph (nodes keep their names).
-    Views are exempt: the partitioner may save a view's base and redo the free view."""
-    rerun = {n.name for n in bw.graph.nodes if n.op == "call_function" and not _is_view(n)}
+    Views and getitems are exempt: the partitioner may save a base and redo the free view."""
+    rerun = {n.name for n in bw.graph.nodes
+             if n.op == "call_function" and not _is_view(n) and n.target is not operator.getitem}
     for node, tag in tags.items():
         if tag.policy is TorchPolicy.MUST_SAVE and node.name in rerun:
             raise RuntimeError(

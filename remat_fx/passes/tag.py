@@ -92,12 +92,12 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
                 for target in _with_view_bases(arg):
                     if target in joint.forward and not (tags.get(target) and tags[target].policy is TorchPolicy.MUST_SAVE):
                         tags[target] = Tag(TorchPolicy.MUST_SAVE, f"read by the backward of SAVE op '{owner}'")
-    # a tuple cannot be saved: a multi-output op's MUST_SAVE goes to its getitem outputs
+    # a tuple cannot be saved: a multi-output op stays banned from recompute and its getitem
+    # outputs are what gets saved (a getitem left to recompute would need the banned tuple)
     for node in [n for n, t in tags.items() if t.saves and is_multi_output(n)]:
-        tag = tags.pop(node)
         for user in node.users:
             if user in joint.forward and user.target is operator.getitem:
-                tags[user] = tag
+                tags[user] = tags[node]
     for node, tag in tags.items():
         node.meta["recompute"] = tag.policy
     return tags
