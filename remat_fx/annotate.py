@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from remat_fx.naming import META_KIND, META_NAME, META_POLICY, check_name, tracing_annotation
+from remat_fx.naming import check_name, op_annotation
 from remat_fx.policy import coerce_policy
 from remat_fx.runtime.handle import RematHandle
 from remat_fx.runtime.ops import SacScope
@@ -28,7 +28,7 @@ def annotate(name: str, policy=None):
     check_name(name, "remat.annotate")
     policy = coerce_policy(policy, what=f"remat.annotate('{name}')")
     if torch.compiler.is_compiling():
-        return tracing_annotation({META_NAME: name, META_POLICY: policy and policy.name, META_KIND: "annotate"})
+        return op_annotation(name, policy, "annotate")
     return _EagerBlock(name, policy)
 
 

@@ -7,7 +7,7 @@ inside one checkpoint region. Globs use :mod:`fnmatch` syntax (``*.qkv``,
 from __future__ import annotations
 
 import fnmatch
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 _KINDS = ("SAVE", "OFFLOAD", "RECOMPUTE")
 
@@ -75,10 +75,6 @@ def check_name(name, what: str) -> str:
     return name
 
 
-def unique_names(names: Sequence[str]) -> bool:
-    return len(set(names)) == len(names)
-
-
 # -- the annotation schema both modes share ----------------------------------
 # Under torch.compile the runtime APIs write these keys into torch.fx.traceback.annotate,
 # which AOTAutograd copies onto every joint-graph node traced inside (node.meta["custom"]).
@@ -94,3 +90,9 @@ def tracing_annotation(entries: dict):
     import torch.fx.traceback as fx_traceback
 
     return fx_traceback.annotate(entries)
+
+
+def op_annotation(name: str, policy, kind: str):
+    """The annotation a named op (kind "op", "native" or "annotate") puts on its traced nodes."""
+    return tracing_annotation({META_NAME: name, META_POLICY: policy.name if policy is not None else None,
+                               META_KIND: kind})

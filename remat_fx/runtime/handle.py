@@ -19,7 +19,7 @@ import torch
 from remat_fx.naming import check_name
 from remat_fx.policy import CheckpointPolicy, coerce_policy
 from remat_fx.runtime.placeholder import Placeholder
-from remat_fx.runtime.tape import (FORWARD, RECOMPUTE, Record, Slot, Tape, TensorMeta, active_tape,
+from remat_fx.runtime.tape import (FORWARD, RECOMPUTE, Slot, Tape, TensorMeta, active_tape,
                                    rng_changed, rng_restore, rng_snapshot, skipped_producer,
                                    tag_skipped_output)
 

@@ -20,7 +20,7 @@ import torch
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from remat_fx.naming import META_KIND, META_NAME, META_POLICY, callable_name, check_name, tracing_annotation
+from remat_fx.naming import callable_name, check_name, op_annotation
 from remat_fx.policy import CheckpointPolicy, coerce_policy
 from remat_fx.runtime.handle import RematHandle
 from remat_fx.runtime.tape import FORWARD, TensorMeta, active_tape, rng_restore
@@ -43,7 +43,7 @@ def op(fn, name: str, policy=None):
 
     def call(*args, **kwargs):
         if torch.compiler.is_compiling():
-            with tracing_annotation({META_NAME: name, META_POLICY: policy and policy.name, META_KIND: "op"}):
+            with op_annotation(name, policy, "op"):
                 return fn(*args, **kwargs)
         pending = _Pending(name, policy)
         token = _PENDING.set(pending)
@@ -135,7 +135,7 @@ def native_op(fn, name: str, policy=None):
 
     def call(*args, **kwargs):
         if torch.compiler.is_compiling():
-            with tracing_annotation({META_NAME: name, META_POLICY: policy and policy.name, META_KIND: "native"}):
+            with op_annotation(name, policy, "native"):
                 return fn(*args, **kwargs)
         tape = active_tape()
         if tape is None:

@@ -111,7 +111,6 @@ def memory_report(*outputs) -> MemoryReport:
             meta, tensor = getattr(value, "meta", None), None
             if meta is None:
                 return
-        base = tensor._base if tensor is not None and tensor._base is not None else tensor
         qual = f"{op}.{name}" if op else name
         if is_param is None:
             is_param = tensor is not None and tape_is_param(tensor)
