@@ -40,15 +40,15 @@ def test_save_matmuls_holds_exactly_the_named_tensors():
     idx, targets = gpt.random_batch(CFG, batch)
     report = remat.memory_report(model(idx, targets))
     act = batch * CFG.seq * CFG.d_model * 4  # one (B, T, C) float32 activation
+    # Each SAVE matmul's backward input (LN outputs, the core's output, gelu's output) is made by a
+    # recomputed op, so the recompute hands it over again and the tape keeps nothing for it; a SAVE
+    # matmul's output is kept for the recomputed op that reads it. Nothing is kept for the trailing
+    # residual add after mlp.down: the recompute stops after the region's last saved tensor.
     per_layer = {
-        "attn.qkv.x": act,  # LN1 output, the matmul's backward input
-        "attn.core.inputs.0": 3 * act,  # qkv output (a SAVE op's), consumed by the recomputed core
-        "attn.proj.x": act,
-        "attn.residual.inputs.1": act,  # proj output, read by the recomputed residual add
-        "mlp.up.x": act,
-        "mlp.act.inputs.0": 4 * act,
-        "mlp.down.x": 4 * act,  # gelu output, the down matmul's backward input
-    }  # mlp.residual.inputs.1 (down's output) is not kept: the recompute stops before that trailing add
+        "attn.core.inputs.0": 3 * act,  # the qkv output
+        "attn.residual.inputs.1": act,  # the proj output
+        "mlp.act.inputs.0": 4 * act,  # the up output
+    }
     want = {f"layers.{i}.{k}" for i in range(CFG.n_layer) for k in per_layer}
     assert report.names() == want
     got = {e.qualname: e.bytes for e in report.entries if e.policy == "SAVE"}
@@ -58,3 +58,12 @@ def test_save_matmuls_holds_exactly_the_named_tensors():
     inputs = [e for e in report.entries if e.policy == "INPUT"]
     assert [e.bytes for e in inputs] == [act] * CFG.n_layer
     assert report.total_bytes == CFG.n_layer * (sum(per_layer.values()) + act)
+
+
+def test_save_matmuls_owners():
+    model = gpt.make_model(CFG, "remat", "save_matmuls")
+    idx, targets = gpt.random_batch(CFG, 2)
+    act = 2 * CFG.seq * CFG.d_model * 4
+    assert remat.memory_report(model(idx, targets)).bytes_by_owner() == {
+        f"layers.{i}.{op}": n for i in range(CFG.n_layer)
+        for op, n in (("attn.qkv", 3 * act), ("attn.proj", act), ("mlp.up", 4 * act))}

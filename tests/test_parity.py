@@ -15,7 +15,7 @@ def test_gpt_same_named_activations_and_gradients(lower):
     model = gpt.make_model(CFG, "remat", "save_matmuls")
     eager = remat.memory_report(model(idx, targets)).bytes_by_owner()
     act = 2 * CFG.seq * CFG.d_model * 4
-    assert eager["layers.0.attn.qkv"] == 4 * act  # LN1 output (its x) + the qkv output for attn.core
+    assert eager["layers.0.attn.qkv"] == 3 * act  # the qkv output, kept for the recomputed attn.core
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="remat", options={"lower": lower}, fullgraph=True)
@@ -41,13 +41,12 @@ def test_gpt_policy_mixes_compiled_match_eager_gradients(policy):
     torch._dynamo.reset()
     loss = torch.compile(model, backend="remat", options={"lower": "eager"}, fullgraph=True)(idx, targets)
     compiled = remat.last_plan().bytes_by_owner()
-    if policy in ("recompute_all", "save_matmuls"):
+    if policy != "save_all":
         assert compiled == eager
     else:
-        # other mixes keep the same ops un-recomputed, but Inductor's decompositions turn some
-        # eager views into smaller copies (attention's q/k/v) and a native SAVE op's cache keeps
-        # every output of the call: the compiled plan may only keep less
-        assert sum(compiled.values()) <= sum(eager.values())
+        # native SAVE ops (the residual adds, gelu) keep SAVE-made inputs on the eager tape even
+        # where their backward does not read them (an add's): the compiled plan keeps less
+        assert sum(compiled.values()) < sum(eager.values())
     loss.backward()
     for name, g in want.items():
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, g, rtol=1e-5, atol=1e-5)

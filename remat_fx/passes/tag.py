@@ -8,8 +8,8 @@ Precedence (first that applies):
   5. the policy written at the call site: remat.op / native_op / annotate (MUST);
   6. inside a remat.checkpoint region: PREFER_RECOMPUTE, as non-reentrant AC recomputes it;
   7. otherwise no tag: the min-cut partitioner chooses.
-Then, as in eager mode, a SAVE autograd Function (remat.op) keeps what its own backward
-reads: every forward node read by backward nodes of that op is MUST_SAVE.
+A SAVE op's inputs follow their own producers' tags, as on the eager tape, where a SAVE op's
+backward input made by a recomputed op is handed over again by the recompute.
 Backward nodes carry the forward's annotations in the joint graph and are never tagged.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
-from remat_fx.naming import META_KIND, META_NAME, META_POLICY, META_REGION, META_REGION_GLOBS, NameGlobs
+from remat_fx.naming import META_NAME, META_POLICY, META_REGION, META_REGION_GLOBS, NameGlobs
 from remat_fx.options import BackendOptions
 from remat_fx.passes.capture import JointGraph, is_multi_output, is_random
 
@@ -65,7 +65,8 @@ def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions) -> Optio
         # as in eager mode, a region's outputs are held by their consumers outside it
         return Tag(TorchPolicy.MUST_SAVE, f"output of checkpoint region '{custom.get(META_REGION, '?')}'")
     written = custom.get(META_POLICY)
-    if written is not None and custom.get(META_NAME) is not None:
+    if written is not None and custom.get(META_NAME) is not None and not (_is_layout(node) and written != "RECOMPUTE"):
+        # (views and copies inside a SAVE op are free to redo from what they copy: that decides)
         return Tag(_MUST[written], f"{written} at the call site of '{custom[META_NAME]}'")
     if in_region:
         return Tag(TorchPolicy.PREFER_RECOMPUTE, f"inside checkpoint region '{custom.get(META_REGION, '?')}'")
@@ -79,19 +80,6 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
         tag = tag_node(joint, node, options)
         if tag is not None:
             tags[node] = tag
-    # a SAVE autograd Function keeps what its backward reads, whoever produced it
-    saved_ops = {joint.custom(n)[META_NAME] for n, t in tags.items()
-                 if t.saves and not is_random(n) and joint.custom(n).get(META_KIND) == "op"}
-    for node in joint.backward:
-        custom = joint.custom(node)
-        owner = custom.get(META_NAME)
-        if owner in saved_ops and custom.get(META_KIND) == "op":
-            for arg in node.all_input_nodes:
-                # a view is saved through its base (the partitioner redoes free views), so the
-                # base must not be recomputed either
-                for target in _with_view_bases(arg):
-                    if target in joint.forward and not (tags.get(target) and tags[target].policy is TorchPolicy.MUST_SAVE):
-                        tags[target] = Tag(TorchPolicy.MUST_SAVE, f"read by the backward of SAVE op '{owner}'")
     # a tuple cannot be saved: a multi-output op stays banned from recompute and its getitem
     # outputs are what gets saved (a getitem left to recompute would need the banned tuple)
     for node in [n for n, t in tags.items() if t.saves and is_multi_output(n)]:
@@ -103,9 +91,7 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
     return tags
 
 
-def _with_view_bases(node: fx.Node):
-    yield node
-    while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-           and node.target.is_view and node.args and isinstance(node.args[0], fx.Node)):
-        node = node.args[0]
-        yield node
+def _is_layout(node: fx.Node) -> bool:
+    """Views and plain copies (decompositions add clones for contiguity): no compute to save."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and (target.is_view or target is torch.ops.aten.clone.default)

@@ -19,7 +19,7 @@ import torch
 from remat_fx.naming import check_name
 from remat_fx.policy import CheckpointPolicy, coerce_policy
 from remat_fx.runtime.placeholder import Placeholder
-from remat_fx.runtime.tape import (FORWARD, RECOMPUTE, Slot, Tape, TensorMeta, active_tape,
+from remat_fx.runtime.tape import (FORWARD, RECOMPUTE, InputRef, Slot, Tape, TensorMeta, active_tape,
                                    rng_changed, rng_restore, rng_snapshot, skipped_producer,
                                    tag_skipped_output)
 
@@ -54,12 +54,13 @@ class TracedHandle:
 
 
 class RematHandle:
-    __slots__ = ("ctx", "name", "policy", "tape", "record", "_rng_before")
+    __slots__ = ("ctx", "name", "policy", "tape", "record", "_rng_before", "inputs")
 
     def __init__(self, ctx, name: str, policy: Optional[CheckpointPolicy], kind: str = "op",
                  tape: Optional[Tape] = None):
         self.ctx = ctx
         self.name = name
+        self.inputs = ()  # the op's positional arguments, where the caller knows them (auto_forward)
         self.tape = tape if tape is not None else active_tape()
         self._rng_before = None
         if self.tape is None:
@@ -87,7 +88,8 @@ class RematHandle:
                 f"remat_fx: SAVE op '{self.name}' did not call handle.record_outputs(...) in forward, "
                 "so its outputs cannot be replayed. End its forward with `return handle.record_outputs(out)`."
             )
-        tensors = [s.load(self.tape, self.name) if s is not None else None for s in rec.saved or ()]
+        tensors = [None if s is None else self.inputs[s.index] if isinstance(s, InputRef)
+                   else s.load(self.tape, self.name) for s in rec.saved or ()]
         if self.ctx is not None:
             self.ctx.save_for_backward(*tensors)
         if rec.rng_after is not None and self.tape.preserve_rng:
@@ -116,7 +118,7 @@ class RematHandle:
                     if src is not None:
                         producer, out_name, policy = src
                         off = tape.offloader if policy is CheckpointPolicy.OFFLOAD else None
-                        rec.inputs[i] = Slot(f"{producer}.{out_name}", x, off)
+                        rec.inputs[i] = Slot(f"inputs.{i}", x, off, source=f"{producer}.{out_name}")
             return xs
         tape.check_metas(rec, "input", rec.input_metas, metas)
         xs = list(xs)
@@ -170,10 +172,21 @@ class RematHandle:
             if self.tape.phase == FORWARD:
                 rec.saved_names = tuple(tensors)
                 if self.policy.skips_recompute:
-                    off = self.tape.offloader if self.policy is CheckpointPolicy.OFFLOAD else None
-                    rec.saved = [Slot(k, v, off) if v is not None else None for k, v in tensors.items()]
+                    rec.saved = [self._keep(k, v) for k, v in tensors.items()]
         if self.ctx is not None:
             self.ctx.save_for_backward(*values)
+
+    def _keep(self, name: str, t: Optional[torch.Tensor]):
+        """How the tape keeps one of a SAVE op's backward tensors."""
+        if t is None:
+            return None
+        src = skipped_producer(t, self.tape)
+        if src is None:
+            for i, arg in enumerate(self.inputs):
+                if arg is t:  # an input the recompute remakes (or a region input): keep nothing
+                    return InputRef(name, i)
+        off = self.tape.offloader if self.policy is CheckpointPolicy.OFFLOAD else None
+        return Slot(name, t, off, source=f"{src[0]}.{src[1]}" if src is not None else None)
 
     def record_outputs(self, *outs):
         """Name the outputs (``out``, or ``0``, ``1``, ...) and return them, single or tuple."""

@@ -90,6 +90,7 @@ def auto_forward(*saved_names: str):
                     # unnamed call inside a region: recomputed, with a positional name
                     name, policy = tape.auto_name(where), None
                 handle = RematHandle(ctx, name, policy)
+                handle.inputs = args
                 if handle.policy.skips_recompute:
                     handle.check_inputs(args)
                 ret = handle.maybe_load_saved()

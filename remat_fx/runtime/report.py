@@ -32,7 +32,7 @@ class SavedEntry:
     policy: str  # SAVE, OFFLOAD, INPUT (region input), or PARAM (not counted)
     bytes: int  # bytes charged to this entry (0 for an alias already counted)
     alias_of: Optional[str] = None
-    source: Optional[str] = None  # for inputs saved by a RECOMPUTE consumer: the producer output
+    source: Optional[str] = None  # when the tensor is a SAVE op's output: "<producer>.<out>"
 
     @property
     def qualname(self) -> str:
@@ -55,9 +55,9 @@ class MemoryReport:
         return out
 
     def bytes_by_owner(self) -> Dict[str, int]:
-        """Bytes per remat op they are kept for: a SAVE op's backward tensors and its outputs that
-        RECOMPUTE consumers saved are both filed under that op (the compiler's Plan files them
-        the same way). Region inputs and parameters are left out."""
+        """Bytes per remat op they are kept for: a SAVE op's own backward tensors under that op,
+        and a SAVE op's outputs (kept for any consumer) under the op that produced them, as the
+        compiler's Plan files them. Region inputs and parameters are left out."""
         out: Dict[str, int] = {}
         for e in self.entries:
             if e.policy in ("SAVE", "OFFLOAD"):
@@ -136,13 +136,11 @@ def memory_report(*outputs) -> MemoryReport:
             if t is not None:
                 add(tape.name, "", f"inputs.{i}", t, "INPUT")
         for rec in tape.records:
-            for k, slot in enumerate(rec.saved or ()):
-                if slot is not None and slot.value is not None:
-                    add(tape.name, rec.name, slot.name, _slot_value(slot), rec.policy.name, slot.is_param)
-            for i, slot in rec.inputs.items():
+            for kind, slot in rec.slots():
                 if slot.value is not None:
-                    add(tape.name, rec.name, f"inputs.{i}", _slot_value(slot),
-                        "OFFLOAD" if slot.offloader is not None else "SAVE", slot.is_param, slot.name)
+                    policy = rec.policy.name if kind == "saved" else (
+                        "OFFLOAD" if slot.offloader is not None else "SAVE")
+                    add(tape.name, rec.name, slot.name, _slot_value(slot), policy, slot.is_param, slot.source)
             if rec.sac is not None:
                 for label, val in rec.sac.tensors():
                     add(tape.name, rec.name, label, val, rec.policy.name)

@@ -54,10 +54,11 @@ class TensorMeta(NamedTuple):
 class Slot:
     """One tensor held by the tape: the tensor itself, or what an offloader packed it into."""
 
-    __slots__ = ("name", "value", "offloader", "version", "meta", "is_param", "aliased")
+    __slots__ = ("name", "value", "offloader", "version", "meta", "is_param", "aliased", "source")
 
-    def __init__(self, name: str, tensor: torch.Tensor, offloader=None):
+    def __init__(self, name: str, tensor: torch.Tensor, offloader=None, source: Optional[str] = None):
         self.name = name
+        self.source = source  # "<producer>.<out>" when the tensor is a skipped op's output
         self.meta = TensorMeta.of(tensor)
         self.version = tensor._version
         self.is_param = is_param(tensor)
@@ -95,6 +96,16 @@ class Slot:
         return t
 
 
+class InputRef:
+    """A SAVE op's saved tensor that is one of its own inputs, made by an op that is recomputed
+    (or a region input): the recompute hands it over again, so the tape keeps nothing for it."""
+
+    __slots__ = ("name", "index")
+
+    def __init__(self, name: str, index: int):
+        self.name, self.index = name, index
+
+
 class Record:
     """The tape entry of one named op call."""
 
@@ -105,7 +116,7 @@ class Record:
         self.name = name
         self.policy = policy
         self.kind = kind  # "op" (autograd Function), "native", "region" (nested checkpoint)
-        self.saved: Optional[List[Optional[Slot]]] = None  # SAVE/OFFLOAD: backward tensors, ctx order
+        self.saved: Optional[list] = None  # SAVE/OFFLOAD: backward tensors in ctx order (Slot/InputRef/None)
         self.saved_names: tuple = ()
         self.inputs: Dict[int, Slot] = {}  # inputs saved because their producer is skipped
         self.input_metas: Optional[list] = None
@@ -118,7 +129,7 @@ class Record:
 
     def slots(self):
         for s in self.saved or ():
-            if s is not None:
+            if isinstance(s, Slot):
                 yield "saved", s
         for s in self.inputs.values():
             yield "input", s
