@@ -135,9 +135,10 @@ class Record:
             yield "input", s
 
 
-def checkpoint_packs() -> Optional[int]:
-    """How many tensors the innermost PyTorch checkpoint frame has saved so far in its forward
-    (None when that cannot be read: no frame, or PyTorch's hooks changed shape)."""
+def checkpoint_holders() -> Optional[list]:
+    """The list of saved-tensor holders of the innermost PyTorch checkpoint frame (its length is
+    how many tensors the region saved so far), or None when that cannot be read (no frame, or
+    PyTorch's hooks changed shape: then trailing ops simply keep their inputs)."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     pack = hooks[0] if hooks else None
     cells = getattr(pack, "__closure__", None) or ()
@@ -145,7 +146,7 @@ def checkpoint_packs() -> Optional[int]:
     for name, cell in zip(names, cells):
         if name == "frame":
             holders = getattr(cell.cell_contents, "weak_holders", None)
-            return len(holders) if holders is not None else None
+            return holders if isinstance(holders, list) else None
     return None
 
 
@@ -195,6 +196,7 @@ class Tape:
         self.auto_names = 0
         self.inputs: list = []  # weakrefs to the region's tensor inputs (held by the checkpoint frame)
         self.trigger = None
+        self.holders = None  # the checkpoint frame's holder list, during the forward pass only
 
     # -- passes ---------------------------------------------------------------
     def begin_pass(self) -> str:
@@ -202,6 +204,7 @@ class Tape:
         self.passes += 1
         self.cursor = 0
         self.auto_names = 0
+        self.holders = checkpoint_holders() if self.phase == FORWARD else None
         if self.phase == RECOMPUTE:
             outside_backward = torch._C._current_graph_task_id() == -1
             self.keep_graph = outside_backward or torch._C._autograd._get_current_graph_task_keep_graph()
@@ -224,7 +227,8 @@ class Tape:
         backward (early stop). Ops that began after that point never rerun, so what the tape
         keeps for them (inputs of RECOMPUTE ops, caches of native SAVE ops) is released now,
         before it is held until backward for nothing."""
-        final = checkpoint_packs()
+        holders, self.holders = self.holders, None
+        final = len(holders) if holders is not None else None
         if final is None or torch_checkpoint._enable_checkpoint_early_stop is False:
             return
         for rec in reversed(self.records):
@@ -244,7 +248,7 @@ class Tape:
                     "(e.g. include the layer index)."
                 )
             rec = Record(name, policy, kind)
-            rec.packs_before = checkpoint_packs()
+            rec.packs_before = len(self.holders) if self.holders is not None else None
             self.records.append(rec)
             self.by_name[name] = rec
             return rec
