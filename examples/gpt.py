@@ -96,15 +96,9 @@ class Linear(torch.autograd.Function):
         return gx, gw, gb
 
 
-_MASKS: Dict[tuple, torch.Tensor] = {}
-
-
 def _causal_mask(t: int, device) -> torch.Tensor:
-    key = (t, str(device))
-    m = _MASKS.get(key)
-    if m is None:
-        m = _MASKS[key] = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
-    return m
+    # built per call: a module-level cache would be a side effect inside traced checkpoint regions
+    return torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
 
 
 class AttnCore(torch.autograd.Function):

@@ -185,3 +185,19 @@ def test_annotate_carries_an_explicit_handle_functions_name():
 
     _compile(lambda x: remat.checkpoint()(block)(x).sum())(x).backward()
     assert "l.mm.0" in {s.name for s in remat.last_plan().saved}
+
+
+def test_inductor_plan_recorded_on_every_compile():
+    """AOTAutograd's cache would skip the partition (and so the Plan) on a hit: it is off for us."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    for _ in range(2):
+        torch._dynamo.reset()
+        remat.passes.plan._PLANS.clear()
+        f = torch.compile(lambda x: remat.checkpoint("mlp")(mlp)(x).sum(), backend="remat",
+                          options={"lower": "inductor", "save": ["*.addmm"]}, fullgraph=True)
+        f(x).backward()
+        plan = remat.last_plan()
+        assert plan is not None and plan.lower == "inductor"
+        assert {s.reason for s in plan.saved} >= {"backend option save glob"}

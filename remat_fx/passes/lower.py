@@ -12,6 +12,7 @@ import functools
 import hashlib
 import pathlib
 
+import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
@@ -48,7 +49,11 @@ def lower(gm, example_inputs, options: BackendOptions):
     if options.lower == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": RematPartitioner(options)})
+        # AOTAutograd's cache would skip our partition on a hit, and with it the Plan:
+        # Inductor's own kernel cache still applies
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs,
+                              config_patches={"custom_partitioner_fn": RematPartitioner(options)})
     backend = aot_autograd(
         fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, decompositions=decompositions(),
         partition_fn=functools.partial(partition, options=options), keep_inference_input_mutations=True,
