@@ -149,7 +149,7 @@ def test_graph_break_in_region_falls_back_to_the_tape():
     want = grads(block(x).sum(), [x, w])
     RUNS.clear()
     torch._dynamo.reset()
-    remat.runtime.checkpoint._WARNED.discard("blk")
+    remat.runtime.checkpoint._WARNED.clear()
     f = torch.compile(lambda x: remat.checkpoint("blk")(block)(x).sum(), backend="remat",
                       options={"lower": "eager"})
     with warnings.catch_warnings(record=True) as caught:
@@ -201,3 +201,41 @@ def test_inductor_plan_recorded_on_every_compile():
         plan = remat.last_plan()
         assert plan is not None and plan.lower == "inductor"
         assert {s.reason for s in plan.saved} >= {"backend option save glob"}
+
+
+class Holder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sub_modules = torch.nn.ModuleList([torch.nn.Linear(8, 8)])
+
+    def forward(self, x):
+        return remat.checkpoint("r")(lambda x: self.sub_modules[0](x).sin().cos())(x).sum()
+
+
+def test_user_attribute_names_survive_in_node_names():
+    net, x = Holder(), torch.randn(4, 8, requires_grad=True)
+    _compile(net, save=["sub_modules.0.addmm"])(x).backward()
+    plan = remat.last_plan()
+    assert {s.name: s.reason for s in plan.saved}["sub_modules.0.addmm"] == "backend option save glob"
+    assert plan.backward_ops["addmm"] == 0
+    assert all("remat_fx" not in (s.source or "") for s in plan.saved)  # sources point at user code
+
+
+def test_split_outputs_share_one_storage_in_the_plan():
+    w = torch.randn(8, 24, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def block(x):
+        with remat.annotate("qkv", P.SAVE):
+            q, k, v = (x @ w).view(4, 3, 8).unbind(1)
+        return (q.sin() * k.cos() * v.tanh()).sum(-1)
+
+    _compile(lambda x: remat.checkpoint()(block)(x).sum())(x).backward()
+    owned = {s.fx_name: s.bytes for s in remat.last_plan().saved if s.name.startswith("qkv.")}
+    assert sum(owned.values()) == 4 * 24 * 4  # the mm output's one storage, counted once
+
+
+def test_debug_option_is_eager_only_and_ignored_under_compile():
+    x = torch.randn(4, requires_grad=True)
+    _compile(lambda x: remat.checkpoint(debug=True)(lambda x: x.sin().cos())(x).sum())(x).backward()
+    torch.testing.assert_close(x.grad, -x.detach().sin().sin() * x.detach().cos())

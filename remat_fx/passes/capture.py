@@ -56,7 +56,7 @@ def module_path(node: fx.Node) -> Optional[str]:
     path = list(stack.values())[-1][0]
     # Dynamo spells paths as L['self'].layers[0].mlp or L['self']._modules['layers']._modules['0']
     path = re.sub(r"^[LG]\[['\"][^'\"]*['\"]\]\.?", "", path)  # the root: L['self'], G['model'], ...
-    path = path.replace("._modules", "").replace("_modules", "")
+    path = re.sub(r"\.?_modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)  # only Dynamo's own accessor
     path = _SUBSCRIPT.sub(r".\1", path).strip(".")
     return re.sub(r"\.+", ".", path)
 

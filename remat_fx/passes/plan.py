@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import operator
+import pathlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -86,7 +88,12 @@ def _source(node: fx.Node) -> Optional[str]:
     if not trace:
         return None
     lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
-    return lines[-1].replace("File ", "") if lines else None
+    user = [ln for ln in lines if not any(part in ln for part in _LIBRARY_PATHS)]
+    pick = user or lines
+    return pick[-1].replace("File ", "") if pick else None
+
+
+_LIBRARY_PATHS = (str(pathlib.Path(__file__).resolve().parents[1]), str(pathlib.Path(torch.__file__).parent))
 
 
 def _flops(node: fx.Node) -> int:
@@ -166,9 +173,19 @@ def _reason(tag: Optional[Tag], node: fx.Node) -> str:
 
 
 def _view_base(node: fx.Node) -> fx.Node:
-    while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-           and node.target.is_view and node.args and isinstance(node.args[0], fx.Node)):
-        node = node.args[0]
+    """The node whose storage ``node`` shares: through views, and through getitems of
+    multi-output views (split, unbind, chunk)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+        target = node.target
+        if target is operator.getitem:
+            parent = node.args[0]
+            if not (isinstance(parent.target, torch._ops.OpOverload) and parent.target.is_view):
+                break
+            node = parent
+        elif isinstance(target, torch._ops.OpOverload) and target.is_view:
+            node = node.args[0]
+        else:
+            break
     return node
 
 

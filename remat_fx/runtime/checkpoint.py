@@ -87,12 +87,14 @@ class Checkpointed:
         if torch.compiler.is_compiling():
             # compiler mode: PyTorch's checkpoint HOP, with the region's name and globs on its nodes
             globs = (self.globs.save, self.globs.offload, self.globs.recompute)
+            # PyTorch's debug traces are an eager-only feature (they need their own context_fn)
+            options = {k: v for k, v in self.torch_options.items() if k != "debug"}
             with tracing_annotation({META_REGION: self.name, META_REGION_GLOBS: globs}):
                 out = torch_checkpoint.checkpoint(_TracedBody(self), kwargs, *args, use_reentrant=False,
-                                                  **self.torch_options)
+                                                  **options)
             return check_output(out, self.name)
         if _inside_compiled_frame():
-            _warn_fallback(self.name)  # Dynamo gave up on this call and runs it eagerly
+            _warn_fallback(self)  # Dynamo gave up on this call and runs it eagerly
         if not torch.is_grad_enabled():
             return check_output(self.fn(*args, **kwargs), self.name)
         parent = active_tape()
@@ -140,7 +142,7 @@ class _TracedBody:
             return self.owner.fn(*args, **kwargs)
         owner = self.owner
         if self.tape is None:
-            _warn_fallback(owner.name)
+            _warn_fallback(owner)
             self.tape = Tape(owner.name, owner.globs or None, resolve_offloader(owner.offloader), None,
                              owner.torch_options["preserve_rng_state"])
         out = _RegionBody(owner.fn, self.tape)(kwargs, *args)
@@ -156,10 +158,12 @@ def _inside_compiled_frame() -> bool:
     return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
 
 
-def _warn_fallback(name: str) -> None:
-    if name in _WARNED:
+def _warn_fallback(region: "Checkpointed") -> None:
+    key = (region.name, getattr(region.fn, "__code__", None) or type(region.fn))
+    if key in _WARNED:
         return
-    _WARNED.add(name)
+    _WARNED.add(key)
+    name = region.name
     warnings.warn(
         f"remat_fx: torch.compile could not trace checkpoint region '{name}' as one graph (a graph break "
         "inside it), so the region runs on the eager named tape instead: the same names and policies are "
