@@ -105,7 +105,7 @@ class Checkpointed:
                                  kind="region", tape=parent)
             flat, spec = tree_flatten((args, kwargs))
             args, kwargs = tree_unflatten(list(handle.load_inputs(tuple(flat))), spec)
-        tape = Tape(self.name, self.globs or None, resolve_offloader(self.offloader), parent,
+        tape = Tape(self.name, self.globs or None, resolve_offloader(self.offloader),
                     self.torch_options["preserve_rng_state"])
         tape.inputs = [weakref.ref(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         # the user's kwargs travel as one positional dict: none can collide with checkpoint's own
@@ -143,7 +143,7 @@ class _TracedBody:
         owner = self.owner
         if self.tape is None:
             _warn_fallback(owner)
-            self.tape = Tape(owner.name, owner.globs or None, resolve_offloader(owner.offloader), None,
+            self.tape = Tape(owner.name, owner.globs or None, resolve_offloader(owner.offloader),
                              owner.torch_options["preserve_rng_state"])
         out = _RegionBody(owner.fn, self.tape)(kwargs, *args)
         self.tape.trigger = None  # PyTorch's checkpoint recomputes this region lazily here

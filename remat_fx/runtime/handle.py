@@ -170,7 +170,6 @@ class RematHandle:
                     "Call `if (ret := handle.maybe_load_saved()) is not None: return ret` first."
                 )
             if self.tape.phase == FORWARD:
-                rec.saved_names = tuple(tensors)
                 if self.policy.skips_recompute:
                     rec.saved = [self._keep(k, v) for k, v in tensors.items()]
         if self.ctx is not None:

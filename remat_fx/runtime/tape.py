@@ -109,7 +109,7 @@ class InputRef:
 class Record:
     """The tape entry of one named op call."""
 
-    __slots__ = ("name", "policy", "kind", "saved", "saved_names", "inputs", "input_metas",
+    __slots__ = ("name", "policy", "kind", "saved", "inputs", "input_metas",
                  "out_metas", "out_single", "out_consts", "sac", "rng_after", "packs_before")
 
     def __init__(self, name: str, policy: CheckpointPolicy, kind: str):
@@ -117,7 +117,6 @@ class Record:
         self.policy = policy
         self.kind = kind  # "op" (autograd Function), "native", "region" (nested checkpoint)
         self.saved: Optional[list] = None  # SAVE/OFFLOAD: backward tensors in ctx order (Slot/InputRef/None)
-        self.saved_names: tuple = ()
         self.inputs: Dict[int, Slot] = {}  # inputs saved because their producer is skipped
         self.input_metas: Optional[list] = None
         self.out_metas: Optional[list] = None
@@ -176,8 +175,7 @@ def is_param(t: torch.Tensor) -> bool:
 class Tape:
     """Named records of one checkpoint-region call, shared by its forward and recomputes."""
 
-    def __init__(self, name: str, globs: Optional[NameGlobs], offloader, parent: Optional["Tape"],
-                 preserve_rng: bool = True):
+    def __init__(self, name: str, globs: Optional[NameGlobs], offloader, preserve_rng: bool = True):
         self.name = name
         self.preserve_rng = preserve_rng
         # storages of skipped (SAVE/OFFLOAD) ops' outputs in forward, for consumers that reach them
@@ -186,7 +184,6 @@ class Tape:
         self.globs = globs
         self.offloader = offloader
         self.seq = next(_SEQ)
-        self.parent = weakref.ref(parent) if parent is not None else None
         self.records: List[Record] = []
         self.by_name: Dict[str, Record] = {}
         self.phase = FORWARD
