@@ -165,13 +165,24 @@ def test_graph_break_in_region_falls_back_to_the_tape():
     assert RUNS["exp"] == 2  # forward + recompute: the RECOMPUTE op was rerun
 
 
-@pytest.mark.xfail(strict=True, reason="get_handle-style Functions trace as pass-through under torch.compile: "
-                                        "their name and policy do not reach the compiler yet")
-def test_explicit_handle_function_names_reach_the_compiler():
+@pytest.mark.parametrize("policy", [P.SAVE, P.RECOMPUTE])
+def test_explicit_handle_function_names_reach_the_compiler(policy):
     w = torch.randn(16, 16, requires_grad=True)
     x = torch.randn(8, 16, requires_grad=True)
-    _compile(lambda x: remat.checkpoint()(lambda x: linear(x, w, "l", P.SAVE).sin())(x).sum())(x).backward()
-    assert "l" in {s.name for s in remat.last_plan().saved}
+
+    def block(x):
+        return linear(x.cos(), w, "l", policy).sin()
+
+    want = grads(block(x).sum(), [x, w])
+    got = grads(_compile(lambda x: remat.checkpoint()(block)(x).sum())(x), [x, w])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    plan = remat.last_plan()
+    saved = {s.name: s.reason for s in plan.saved}
+    assert ("l" in saved) == (policy is P.SAVE)
+    if policy is P.SAVE:
+        assert saved["l"] == "SAVE at the call site of 'l'"
+    assert plan.backward_ops["mm"] == (2 if policy is P.SAVE else 3)  # the op's mm rerun only when RECOMPUTE
 
 
 def test_annotate_carries_an_explicit_handle_functions_name():

@@ -16,7 +16,7 @@ from typing import Dict, Optional, Set
 import torch
 import torch.fx as fx
 
-from remat_fx.naming import META_KIND, META_NAME
+from remat_fx.naming import META_KIND, META_NAME, META_POLICY
 
 
 def decompositions():
@@ -74,6 +74,7 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
             continue
         seen.add(node)
         stack.extend(node.all_input_nodes)
+    _name_handle_ops(gm)
     counts: Counter = Counter()
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -84,6 +85,29 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
         else:
             joint.backward.add(node)
     return joint
+
+
+def _name_handle_ops(gm: fx.GraphModule) -> None:
+    """An autograd Function using remat.get_handle marks its inputs ("handle_in") and outputs
+    ("handle_out") under torch.compile: every unnamed node between them belongs to that op."""
+    for out in gm.graph.nodes:
+        custom = out.meta.get("custom") or {}
+        if custom.get(META_KIND) != "handle_out":
+            continue
+        name = custom.get(META_NAME)
+        stack, seen = list(out.all_input_nodes), set()
+        while stack:
+            node = stack.pop()
+            if node in seen or node.op != "call_function":
+                continue
+            seen.add(node)
+            inner = node.meta.get("custom") or {}
+            if inner.get(META_NAME) is not None:  # the op's input markers, or another named op
+                continue
+            node.meta["custom"] = {**inner, META_NAME: name, META_POLICY: custom.get(META_POLICY),
+                                   META_KIND: "op"}
+            stack.extend(node.all_input_nodes)
+        out.meta["custom"] = {**custom, META_KIND: "op"}
 
 
 def _nodes_in(args) -> list:

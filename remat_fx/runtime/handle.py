@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from remat_fx.naming import check_name
+from remat_fx.naming import check_name, op_annotation
 from remat_fx.policy import CheckpointPolicy, coerce_policy
 from remat_fx.runtime.placeholder import Placeholder
 from remat_fx.runtime.tape import (FORWARD, RECOMPUTE, InputRef, Slot, Tape, TensorMeta, active_tape,
@@ -27,29 +27,36 @@ from remat_fx.runtime.tape import (FORWARD, RECOMPUTE, InputRef, Slot, Tape, Ten
 def get_handle(ctx, op_name: str, policy=None) -> "RematHandle":
     """Create the handle for one named call of a remat-aware autograd Function."""
     if torch.compiler.is_compiling():
-        return TracedHandle(ctx)
+        return TracedHandle(ctx, op_name, coerce_policy(policy, what=f"remat.get_handle('{op_name}')"))
     check_name(op_name, "remat.get_handle")
     return RematHandle(ctx, op_name, coerce_policy(policy, what=f"remat.get_handle('{op_name}')"))
 
 
 class TracedHandle:
-    """The handle under torch.compile: the forward is traced once and the compiler decides
-    what to save, so every method is a pass-through. (The op's name and policy reach the
-    compiler from an enclosing remat.op / remat.annotate.)"""
+    """The handle under torch.compile: the forward is traced once and the compiler decides what
+    to save, so every method passes through. To carry the op's name and policy to the compiler,
+    the inputs handed to ``save_or_load_inputs`` and the outputs of ``record_outputs`` go through
+    annotated aliases: the capture pass names every node between them after the op."""
 
-    def __init__(self, ctx):
-        self.ctx = ctx
+    def __init__(self, ctx, name: str, policy: Optional[CheckpointPolicy]):
+        self.ctx, self.name, self.policy = ctx, name, policy
+
+    def _mark(self, xs, kind):
+        with op_annotation(self.name, self.policy, kind):
+            return tuple(x.view_as(x) if isinstance(x, torch.Tensor) else x for x in xs)
 
     def maybe_load_saved(self):
         return None
 
     def save_or_load_inputs(self, *xs):
+        xs = self._mark(xs, "handle_in")
         return xs[0] if len(xs) == 1 else xs
 
     def save_for_backward(self, tensors: dict) -> None:
         self.ctx.save_for_backward(*tensors.values())
 
     def record_outputs(self, *outs):
+        outs = self._mark(outs, "handle_out")
         return outs[0] if len(outs) == 1 else outs
 
 
