@@ -66,6 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import remat_fx as remat  # noqa: E402
 from benchmarks.memory import SavedTensorBytes, fmt_bytes, held_after  # noqa: E402
+from benchmarks.timing import interleaved_step_times, write_report  # noqa: E402
 from examples import gpt as example_gpt  # noqa: E402
 
 aten = torch.ops.aten
@@ -305,25 +306,6 @@ def flop_counter_flops(model, step) -> int:
     return int(fc.get_total_flops())
 
 
-def time_steps(variants: dict, steps: int, warmup: int) -> Dict[str, List[float]]:
-    labels = list(variants)
-    times = {k: [] for k in labels}
-    for rnd in range(warmup + steps):
-        k = rnd % len(labels)
-        for kind in labels[k:] + labels[:k]:
-            model, step = variants[kind]
-            model.zero_grad(set_to_none=True)
-            gc.collect()
-            t0 = time.perf_counter()
-            loss = step()
-            loss.backward()
-            dt = time.perf_counter() - t0
-            del loss
-            if rnd >= warmup:
-                times[kind].append(dt)
-    return times
-
-
 # -----------------------------------------------------------------------------
 # one model
 # -----------------------------------------------------------------------------
@@ -368,7 +350,7 @@ def bench_model(bench: Bench, args) -> List[str]:
     print(f"\n  remat plan (row 5, lower=inductor), printed once:\n{plans['remat']}\n", flush=True)
     times = None
     if not args.skip_time:
-        times = time_steps(variants, args.steps, args.warmup)
+        times = interleaved_step_times(variants, args.steps, args.warmup)
     torch._dynamo.config.error_on_recompile = False
     lines = report_model(bench, res, plans, times, compile_s, args)
     print("\n".join(lines), flush=True)
@@ -552,11 +534,7 @@ def main(argv=None) -> str:
     for key in [k.strip() for k in args.models.split(",") if k.strip()]:
         out += bench_model(benches[key](args), args)
     out += [NOTES]
-    text = "\n".join(out)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
-    print(f"wrote {args.out}")
-    return text
+    return write_report(args.out, out)
 
 
 if __name__ == "__main__":

@@ -24,11 +24,9 @@ Prints a markdown report and writes it to ``benchmarks/out/eager.md`` (``--out``
 from __future__ import annotations
 
 import argparse
-import gc
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.memory import fmt_bytes  # noqa: E402
+from benchmarks.timing import interleaved_step_times, write_report  # noqa: E402
 from examples.gpt import VARIANTS, GPTConfig, make_model, measure_memory, random_batch  # noqa: E402
 
 TORCH = "torch.utils.checkpoint per block"
@@ -64,24 +63,12 @@ def parse_args(argv=None):
 
 def time_steps(cfg: GPTConfig, batch: int, steps: int, warmup: int) -> dict:
     """{label: [seconds per measured fwd+bwd step]}, variants interleaved round-robin."""
-    models = {label: make_model(cfg, ckpt, pol) for label, ckpt, pol in VARIANTS}
     idx, targets = random_batch(cfg, batch)
-    labels = list(models)
-    times = {label: [] for label in labels}
-    for rnd in range(warmup + steps):
-        k = rnd % len(labels)
-        for label in labels[k:] + labels[:k]:  # rotate so no variant always runs first
-            model = models[label]
-            model.zero_grad(set_to_none=True)
-            gc.collect()
-            t0 = time.perf_counter()
-            loss = model(idx, targets)
-            loss.backward()
-            dt = time.perf_counter() - t0
-            del loss
-            if rnd >= warmup:
-                times[label].append(dt)
-    return times
+    variants = {}
+    for label, ckpt, pol in VARIANTS:
+        model = make_model(cfg, ckpt, pol)
+        variants[label] = (model, lambda model=model: model(idx, targets))
+    return interleaved_step_times(variants, steps, warmup)
 
 
 def timing_table(times: dict) -> tuple:
@@ -156,11 +143,7 @@ def main(argv=None) -> str:
                     f"median of per-round ratios {paired:.3f}; target <= 1.05)", ""]
         print("\n".join(sec), flush=True)
         out += sec
-    text = "\n".join(out)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
-    print(f"wrote {args.out}")
-    return text
+    return write_report(args.out, out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""Shared benchmark plumbing: interleaved step timing and writing the markdown report."""
+from __future__ import annotations
+
+import gc
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+
+def interleaved_step_times(variants: Dict[str, Tuple[object, Callable]], steps: int,
+                           warmup: int) -> Dict[str, List[float]]:
+    """{label: [seconds per measured fwd+bwd step]} for ``variants`` = {label: (model, loss_fn)}.
+
+    Variants run round-robin, the order rotated each round so none always runs first, so the
+    machine's noise hits all of them alike; ``warmup`` rounds are not recorded.
+    """
+    labels = list(variants)
+    times: Dict[str, List[float]] = {label: [] for label in labels}
+    for rnd in range(warmup + steps):
+        k = rnd % len(labels)
+        for label in labels[k:] + labels[:k]:
+            model, loss_fn = variants[label]
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            t0 = time.perf_counter()
+            loss = loss_fn()
+            loss.backward()
+            dt = time.perf_counter() - t0
+            del loss
+            if rnd >= warmup:
+                times[label].append(dt)
+    return times
+
+
+def write_report(path: Path, lines: List[str]) -> str:
+    text = "\n".join(lines)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    print(f"wrote {path}")
+    return text
