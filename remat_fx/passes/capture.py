@@ -29,8 +29,7 @@ def decompositions():
 @dataclass
 class JointGraph:
     gm: fx.GraphModule
-    forward: Set[fx.Node] = field(default_factory=set)  # call_function nodes computed without tangents
-    backward: Set[fx.Node] = field(default_factory=set)
+    forward: Set[fx.Node] = field(default_factory=set)  # call_function nodes the forward outputs need
     names: Dict[fx.Node, str] = field(default_factory=dict)  # forward node -> glob-matchable name
 
     def custom(self, node: fx.Node) -> dict:
@@ -77,13 +76,9 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
     _name_handle_ops(gm)
     counts: Counter = Counter()
     for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node in seen:
+        if node.op == "call_function" and node in seen:
             joint.forward.add(node)
             joint.names[node] = _name(node, joint.custom(node), counts)
-        else:
-            joint.backward.add(node)
     return joint
 
 

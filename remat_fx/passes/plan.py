@@ -47,9 +47,6 @@ class Plan:
     def total_bytes(self) -> int:
         return sum(s.bytes for s in self.saved)
 
-    def names(self) -> set:
-        return {s.name for s in self.saved if s.bytes or s.reason != "parameter"}
-
     def bytes_by_owner(self) -> Dict[str, int]:
         """Saved bytes per remat op they are kept for (activations of unnamed ops are left out)."""
         out: Dict[str, int] = {}
@@ -190,12 +187,10 @@ def _view_base(node: fx.Node) -> fx.Node:
 
 
 def _owner(joint: JointGraph, node: fx.Node, tag: Optional[Tag]) -> Optional[str]:
-    """The remat op an activation is kept for, as eager mode's tape would file it: a SAVE op's
-    backward input is filed under that op; a named op's own output under that op."""
+    """The remat op an activation is kept for, as eager mode's tape files it: a SAVE op's own
+    nodes (its outputs and what its backward reads from inside it) under that op."""
     if tag is None or not tag.saves or tag.reason.startswith("output of checkpoint region"):
         return None  # region outputs belong to their consumers (eager: the next region's INPUT)
-    if tag.reason.startswith("read by the backward of SAVE op '"):
-        return tag.reason.split("'")[1]
     custom = joint.custom(node)
     if custom.get(META_NAME) is not None and custom.get(META_KIND) in ("op", "native"):
         return custom[META_NAME]

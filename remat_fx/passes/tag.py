@@ -14,6 +14,7 @@ Backward nodes carry the forward's annotations in the joint graph and are never 
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Dict, Optional
@@ -42,8 +43,11 @@ _MUST = {"SAVE": TorchPolicy.MUST_SAVE, "OFFLOAD": TorchPolicy.MUST_SAVE, "RECOM
 
 def _region_globs(custom: dict) -> Optional[NameGlobs]:
     raw = custom.get(META_REGION_GLOBS)
-    if not raw or not any(raw):
-        return None
+    return _globs_of(tuple(map(tuple, raw))) if raw and any(raw) else None
+
+
+@functools.lru_cache(maxsize=64)
+def _globs_of(raw: tuple) -> NameGlobs:  # one matcher (and its match cache) per region's globs
     save, offload, recompute = raw
     return NameGlobs(save=save, offload=offload, recompute=recompute)
 

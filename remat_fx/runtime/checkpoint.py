@@ -107,13 +107,14 @@ class Checkpointed:
             args, kwargs = tree_unflatten(list(handle.load_inputs(tuple(flat))), spec)
         tape = Tape(self.name, self.globs or None, resolve_offloader(self.offloader),
                     self.torch_options["preserve_rng_state"])
-        tape.inputs = [weakref.ref(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        in_tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tape.inputs = [weakref.ref(t) for t in in_tensors]
         # the user's kwargs travel as one positional dict: none can collide with checkpoint's own
         out = torch_checkpoint.checkpoint(
             _RegionBody(self.fn, tape), kwargs, *args, use_reentrant=False, **self.torch_options
         )
         trigger, tape.trigger = tape.trigger, None
-        inputs = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {id(t) for t in in_tensors}
         # an input returned unchanged is not the region's: no hook or tape on it
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
                 and id(t) not in inputs]
