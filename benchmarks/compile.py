@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import remat_fx as remat  # noqa: E402
 from benchmarks.memory import SavedTensorBytes, fmt_bytes, held_after  # noqa: E402
-from benchmarks.timing import interleaved_step_times, write_report  # noqa: E402
+from benchmarks.timing import add_model_args, interleaved_step_times, write_report  # noqa: E402
 from examples import gpt as example_gpt  # noqa: E402
 
 aten = torch.ops.aten
@@ -471,16 +471,7 @@ def report_model(bench: Bench, res, plans, times, compile_s, args) -> List[str]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="gpt,hf", help="comma list of: gpt (example GPT), hf (transformers GPT-2)")
-    p.add_argument("--steps", type=int, default=15, help="measured steps per variant")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured round-robin rounds first (after compiling)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: PyTorch's)")
-    p.add_argument("--skip-time", action="store_true")
+    add_model_args(p, steps=15)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "compile.md")
     return p.parse_args(argv)
 

@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.memory import fmt_bytes  # noqa: E402
-from benchmarks.timing import interleaved_step_times, write_report  # noqa: E402
+from benchmarks.timing import add_model_args, interleaved_step_times, write_report  # noqa: E402
 from examples.gpt import VARIANTS, GPTConfig, make_model, measure_memory, random_batch  # noqa: E402
 
 TORCH = "torch.utils.checkpoint per block"
@@ -45,19 +45,9 @@ NONE = "no checkpointing"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=9, help="measured steps per variant (>= 7 recommended)")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps per variant first")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads (default: leave PyTorch's default)")
+    add_model_args(p, steps=9)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "eager.md")
     p.add_argument("--skip-memory", action="store_true")
-    p.add_argument("--skip-time", action="store_true")
     return p.parse_args(argv)
 
 

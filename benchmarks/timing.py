@@ -1,6 +1,7 @@
 """Shared benchmark plumbing: interleaved step timing and writing the markdown report."""
 from __future__ import annotations
 
+import argparse
 import gc
 import time
 from pathlib import Path
@@ -38,3 +39,17 @@ def write_report(path: Path, lines: List[str]) -> str:
     path.write_text(text + "\n")
     print(f"wrote {path}")
     return text
+
+
+def add_model_args(p: argparse.ArgumentParser, steps: int) -> None:
+    """The flags every benchmark shares: model size, batch, step counts, threads."""
+    p.add_argument("--steps", type=int, default=steps, help="measured steps per variant (>= 7 recommended)")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured round-robin rounds first")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: PyTorch's)")
+    p.add_argument("--skip-time", action="store_true")
