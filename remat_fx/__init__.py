@@ -3,9 +3,11 @@
     import remat_fx as remat
     y = remat.checkpoint()(block)(x)
 """
+from remat_fx import config
 from remat_fx.annotate import annotate
 from remat_fx.backend import backend
-from remat_fx.passes.plan import Plan, SavedActivation, last_plan
+from remat_fx.pareto import ParetoPoint, pareto
+from remat_fx.passes.plan import BudgetReport, Plan, SavedActivation, last_plan
 from remat_fx.policy import CheckpointPolicy
 from remat_fx.runtime.checkpoint import checkpoint
 from remat_fx.runtime.handle import RematHandle, get_handle
@@ -15,10 +17,14 @@ from remat_fx.runtime.placeholder import Placeholder
 from remat_fx.runtime.report import MemoryReport, SavedEntry, memory_report
 
 __all__ = [
+    "BudgetReport",
+    "ParetoPoint",
     "Plan",
     "SavedActivation",
     "annotate",
     "backend",
+    "config",
+    "pareto",
     "last_plan",
     "CPUOffloader",
     "CheckpointPolicy",

@@ -1,4 +1,4 @@
-"""remat.annotate(name, policy=None): name a block of native ops, in both modes.
+"""remat.annotate(name, policy=None, memory_budget=None): name a block of native ops, in both modes.
 
     with remat.annotate("layers.0.mlp", policy=remat.CheckpointPolicy.SAVE):
         h = torch.nn.functional.gelu(x @ w1) @ w2
@@ -9,27 +9,46 @@ one named op on the tape, run through the same machinery as ``remat.native_op``:
 block's outputs and skips it in recompute; RECOMPUTE reruns it. Outside a region it only names.
 Unlike ``native_op`` the block's inputs are not known, so a SAVE block must not read a SAVE
 op's output (use ``remat.native_op`` there).
+
+``memory_budget`` (compiler mode) caps the saved bytes of the activations made inside the block,
+as the backend option does for the whole graph (a fraction between the block's own feasible
+extremes, or a size). The eager tape has no solver: there it warns once and only names.
 """
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
-from remat_fx.naming import check_name, op_annotation
+from remat_fx.memory_budget import parse_budget
+from remat_fx.naming import META_BUDGET, META_BUDGET_REGION, META_KIND, META_NAME, META_POLICY, check_name, \
+    tracing_annotation
 from remat_fx.policy import coerce_policy
 from remat_fx.runtime.handle import RematHandle
 from remat_fx.runtime.ops import SacScope
 from remat_fx.runtime.tape import active_tape
 
 
-def annotate(name: str, policy=None):
+def annotate(name: str, policy=None, *, memory_budget=None):
     """A context manager naming the native ops inside it (and giving them ``policy``)."""
     check_name(name, "remat.annotate")
     policy = coerce_policy(policy, what=f"remat.annotate('{name}')")
+    parse_budget(memory_budget, f"remat.annotate('{name}', memory_budget=...)")  # fail early, in both modes
     if torch.compiler.is_compiling():
-        return op_annotation(name, policy, "annotate")
+        entries = {META_NAME: name, META_POLICY: policy.name if policy is not None else None, META_KIND: "annotate"}
+        if memory_budget is not None:
+            entries.update({META_BUDGET_REGION: name, META_BUDGET: memory_budget})
+        return tracing_annotation(entries)
+    if memory_budget is not None and name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(f"remat.annotate('{name}', memory_budget={memory_budget!r}): memory budgets are solved in "
+                      f"compiler mode (torch.compile(..., backend='remat')); the eager tape only names the block",
+                      stacklevel=2)
     return _EagerBlock(name, policy)
+
+
+_WARNED: set = set()
 
 
 class _EagerBlock(contextlib.AbstractContextManager):

@@ -83,6 +83,8 @@ META_POLICY = "remat_policy"  # CheckpointPolicy name written at the call site, 
 META_KIND = "remat_kind"  # "op" (autograd Function), "native", "annotate"
 META_REGION = "remat_region"  # the enclosing remat.checkpoint region's name
 META_REGION_GLOBS = "remat_region_globs"  # (save, offload, recompute) glob tuples of that region
+META_BUDGET_REGION = "remat_budget_region"  # the innermost remat.annotate(..., memory_budget=...) block
+META_BUDGET = "remat_budget"  # that block's budget, as written (fraction, bytes or size string)
 
 
 def tracing_annotation(entries: dict):

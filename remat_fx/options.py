@@ -5,17 +5,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Tuple
+from typing import Optional, Tuple
 
+from remat_fx import config
+from remat_fx.memory_budget import Budget, parse_budget
 from remat_fx.naming import NameGlobs
+from remat_fx.passes.cost import COST_MODELS, Roofline, parse_roofline
 
 LOWERINGS = ("inductor", "eager")
+SOLVERS = ("ilp", "greedy")
 
 _DOC = {
     "save": "glob(s) of node names to SAVE (must save), e.g. ['*.qkv', 'model.layers.*.mlp.up_proj.mm']",
     "recompute": "glob(s) of node names to RECOMPUTE (must recompute)",
     "lower": "'inductor' (default: C++ on CPU, Triton on CUDA) or 'eager' (run the partitioned FX graphs)",
-    "memory_budget": "reserved for the activation-memory-budget issue; not accepted yet",
+    "memory_budget": "fraction in [0, 1], size ('512MiB', '1.5GB', '50%') or int bytes: saved activation "
+                     "bytes allowed (default remat_fx.config.memory_budget, None = no budget)",
+    "cost_model": "recompute cost estimate for the budget solver: 'auto' (roofline, pointwise fused under "
+                  "Inductor), 'roofline', 'flops' or 'profile' (measured op times)",
+    "roofline": "override the device roofline: {'flops_per_s': ..., 'bytes_per_s': ..., 'op_overhead_s': ...}",
+    "solver": "'ilp' (exact 0-1 program, HiGHS; default) or 'greedy'",
+    "solver_time_limit": "seconds for the ILP before falling back to its best plan so far (default 10)",
     "report": "print the plan of every compiled graph (default False)",
 }
 
@@ -26,11 +36,17 @@ class BackendOptions:
     recompute: Tuple[str, ...] = ()
     lower: str = "inductor"
     report: bool = False
+    memory_budget: Optional[Budget] = None
+    cost_model: str = "auto"
+    roofline: Optional[Roofline] = None
+    solver: str = "ilp"
+    solver_time_limit: float = 10.0
     globs: NameGlobs = field(default=None, compare=False, repr=False)
 
     def key(self) -> tuple:
         """What changes the compiled result (for Inductor's cache)."""
-        return (self.save, self.recompute, self.lower)
+        return (self.save, self.recompute, self.lower, str(self.memory_budget), self.cost_model, self.roofline,
+                self.solver)
 
 
 def _valid() -> str:
@@ -47,15 +63,28 @@ def parse_options(options) -> BackendOptions:
     unknown = sorted(set(options) - set(_DOC))
     if unknown:
         raise ValueError(f"backend 'remat': unknown option(s) {unknown}. Valid options:\n{_valid()}")
-    if "memory_budget" in options:
-        raise ValueError("backend 'remat': option 'memory_budget' is reserved for the activation memory "
-                         "budget and not implemented yet; name what to save with 'save'/'recompute' globs "
-                         f"or remat annotations instead. Valid options:\n{_valid()}")
     lower = options.get("lower", "inductor")
     if lower not in LOWERINGS:
         raise ValueError(f"backend 'remat': option 'lower' must be one of {list(LOWERINGS)}, got {lower!r}")
     report = options.get("report", False)
     if not isinstance(report, bool):
         raise ValueError(f"backend 'remat': option 'report' must be True or False, got {report!r}")
+    try:
+        budget = parse_budget(options.get("memory_budget", config.memory_budget), "option 'memory_budget'")
+    except ValueError as e:
+        raise ValueError(f"backend 'remat': {e}") from None
+    cost_model = options.get("cost_model", config.cost_model)
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"backend 'remat': option 'cost_model' must be one of {list(COST_MODELS)}, got {cost_model!r}")
+    roofline = parse_roofline(options.get("roofline"))
+    solver = options.get("solver", config.solver)
+    if solver not in SOLVERS:
+        raise ValueError(f"backend 'remat': option 'solver' must be one of {list(SOLVERS)}, got {solver!r}")
+    limit = options.get("solver_time_limit", config.solver_time_limit)
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
+        raise ValueError(f"backend 'remat': option 'solver_time_limit' must be a positive number of seconds, "
+                         f"got {limit!r}")
     globs = NameGlobs(save=options.get("save"), recompute=options.get("recompute"))
-    return BackendOptions(save=globs.save, recompute=globs.recompute, lower=lower, report=report, globs=globs)
+    return BackendOptions(save=globs.save, recompute=globs.recompute, lower=lower, report=report,
+                          memory_budget=budget, cost_model=cost_model, roofline=roofline, solver=solver,
+                          solver_time_limit=float(limit), globs=globs)

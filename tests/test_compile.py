@@ -17,7 +17,11 @@ def _compile(fn, **options):
 
 @pytest.mark.parametrize("options, message", [
     ({"saev": ["*"]}, r"unknown option\(s\) \['saev'\]. Valid options:\n  save: "),
-    ({"memory_budget": 0.5}, r"option 'memory_budget' is reserved for the activation memory budget"),
+    ({"memory_budget": 1.5}, r"option 'memory_budget' takes a fraction in \[0, 1\].*got 1.5 \(a float must be a "
+                             r"fraction; for a size write an int number of bytes or a string with a unit, e.g. '1.5GiB'\)"),
+    ({"memory_budget": "12 parsecs"}, r"option 'memory_budget' takes .* got '12 parsecs' \(units: b, kb"),
+    ({"cost_model": "vibes"}, r"option 'cost_model' must be one of \['auto', 'roofline', 'flops', 'profile'\]"),
+    ({"roofline": {"flops": 1}}, r"option 'roofline' must be a dict with keys from \['flops_per_s'"),
     ({"lower": "triton"}, r"option 'lower' must be one of \['inductor', 'eager'\], got 'triton'"),
     ({"save": [1]}, r"option 'save' must hold glob strings, got 1"),
     ({"report": "yes"}, r"option 'report' must be True or False"),

@@ -8,6 +8,7 @@ or its module path and op).
 """
 from __future__ import annotations
 
+import operator
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ def decompositions():
 @dataclass
 class JointGraph:
     gm: fx.GraphModule
+    num_fwd_outputs: int = 0
     forward: Set[fx.Node] = field(default_factory=set)  # call_function nodes the forward outputs need
     names: Dict[fx.Node, str] = field(default_factory=dict)  # forward node -> glob-matchable name
 
@@ -63,7 +65,7 @@ def module_path(node: fx.Node) -> Optional[str]:
 def read_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
     """Forward nodes are those the forward outputs depend on; every other computation is backward
     (including backward-formula nodes that read only forward values, like a weight's transpose)."""
-    joint = JointGraph(gm)
+    joint = JointGraph(gm, num_fwd_outputs)
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     stack = _nodes_in(output.args[0][:num_fwd_outputs])
     seen: Set[fx.Node] = set()
@@ -138,3 +140,20 @@ def is_random(node: fx.Node) -> bool:
 
 def is_multi_output(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (tuple, list))
+
+
+def storage_base(node: fx.Node) -> fx.Node:
+    """The node whose storage ``node`` shares: through views, and through getitems of
+    multi-output views (split, unbind, chunk)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+        target = node.target
+        if target is operator.getitem:
+            parent = node.args[0]
+            if not (isinstance(parent.target, torch._ops.OpOverload) and parent.target.is_view):
+                break
+            node = parent
+        elif isinstance(target, torch._ops.OpOverload) and target.is_view:
+            node = node.args[0]
+        else:
+            break
+    return node

@@ -3,36 +3,112 @@
 ``min_cut_rematerialization_partition`` honours the tags written by the tag pass:
 MUST_SAVE nodes are banned from recomputation, MUST/PREFER_RECOMPUTE nodes are
 recomputed in backward. This pass runs capture -> tag -> min-cut -> plan and checks
-that the result follows every MUST tag.
+that the result follows every MUST tag. With a memory budget, the budget pass then
+turns the plan into one that fits (passes/budget.py) and the min-cut runs again on its tags.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
+from typing import List, Set
 
 import torch
 import torch.fx as fx
+from torch._functorch.compile_utils import fx_graph_cse
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
 from remat_fx.options import BackendOptions
+from remat_fx.passes.budget import apply_budget, budgets_of
 from remat_fx.passes.capture import read_joint
+from remat_fx.passes.cost import CostModel, node_device
 from remat_fx.passes.plan import build_plan, record
 from remat_fx.passes.tag import tag_joint
+
+_ORIGINAL = "remat_fx.original_recompute"
+_SINKS: List[list] = []
+
+
+@contextlib.contextmanager
+def capture_joints():
+    """Collects (joint graph, joint inputs, partition kwargs) of every partition run inside, so the
+    partition can be re-run on them with other options (remat_fx.pareto)."""
+    graphs: list = []
+    _SINKS.append(graphs)
+    try:
+        yield graphs
+    finally:
+        _SINKS.remove(graphs)
 
 
 def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions, num_fwd_outputs: int,
               static_lifetime_input_indices=None, **kwargs):
+    for sink in _SINKS:
+        sink.append((joint_gm, joint_inputs, dict(kwargs, num_fwd_outputs=num_fwd_outputs,
+                                                  static_lifetime_input_indices=static_lifetime_input_indices)))
+    _prepare(joint_gm)
     joint = read_joint(joint_gm, num_fwd_outputs)
     tags = tag_joint(joint, options)
-    fw, bw = min_cut_rematerialization_partition(
-        joint_gm, joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs,
-        static_lifetime_input_indices=static_lifetime_input_indices, **kwargs)
+    placeholders = [n for n in joint_gm.graph.nodes if n.op == "placeholder"]
+    params: Set[str] = {placeholders[i].name for i in static_lifetime_input_indices or () if i < len(placeholders)}
+    cost = CostModel(options.cost_model, options.lower, node_device(placeholders), options.roofline)
+
+    def min_cut():
+        return min_cut_rematerialization_partition(
+            joint_gm, joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static_lifetime_input_indices, **kwargs)
+
+    # our budget, not PyTorch's (its global knob would otherwise re-decide the min-cut's plan)
+    with torch._functorch.config.patch(activation_memory_budget=1.0, cse=False):
+        fw, bw = min_cut()
+        plan = build_plan(joint, tags, fw, bw, num_fwd_outputs, params, options.lower, cost)
+        budgets = budgets_of(joint, options)
+        if budgets:
+            tags, report = apply_budget(joint, tags, plan, budgets, params, cost, options)
+            if report.solver != "none":
+                fw, bw = min_cut()
+                plan = build_plan(joint, tags, fw, bw, num_fwd_outputs, params, options.lower, cost)
+            report.achieved = plan.total_bytes
+            report.estimated_cost_s = plan.recompute_cost_s
+            _check_achieved(report, plan, joint, params)
+            plan.budget = report
     check_follows_tags(joint.names, tags, bw)
-    plan = build_plan(joint, tags, fw, bw, num_fwd_outputs, static_lifetime_input_indices, options.lower)
     record(plan)
     if options.report:
         print(plan)
     return fw, bw
+
+
+def _prepare(gm: fx.GraphModule) -> None:
+    """Dead code out and common subexpressions merged once, here, so that the min-cut (run with
+    its own CSE off) keeps our node objects; the tags of earlier runs on this graph undone."""
+    gm.graph.eliminate_dead_code()
+    if torch._functorch.config.cse:
+        gm.graph = fx_graph_cse(gm.graph)
+    for node in gm.graph.nodes:
+        if _ORIGINAL in node.meta:
+            original = node.meta[_ORIGINAL]
+            if original is None:
+                node.meta.pop("recompute", None)
+            else:
+                node.meta["recompute"] = original
+        else:
+            node.meta[_ORIGINAL] = node.meta.get("recompute")
+    gm.recompile()
+
+
+def _check_achieved(report, plan, joint, params) -> None:
+    from remat_fx.passes.budget import region_bytes
+
+    if report.achieved > report.target:
+        raise RuntimeError(f"remat_fx: the partition saves {report.achieved:,} bytes, over the memory budget's "
+                           f"target {report.target:,} that the solver met ({report.solver}). Please report this "
+                           f"with the model.\n{plan}")
+    for name, region in report.regions.items():
+        region.achieved = region_bytes(joint, plan, name, params)
+        if region.achieved > region.target:
+            raise RuntimeError(f"remat_fx: the partition saves {region.achieved:,} bytes in region '{name}', over "
+                               f"its memory budget's target {region.target:,}. Please report this with the model.")
 
 
 def check_follows_tags(names, tags, bw: fx.GraphModule) -> None:

@@ -6,19 +6,19 @@
 """
 from __future__ import annotations
 
-import operator
 import pathlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Set
 
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
-from torch.utils.flop_counter import flop_registry
 
+from remat_fx.memory_budget import fmt_bytes
 from remat_fx.naming import META_KIND, META_NAME
-from remat_fx.passes.capture import JointGraph, op_name
+from remat_fx.passes.capture import JointGraph, op_name, storage_base
+from remat_fx.passes.cost import concrete, flops
 from remat_fx.passes.tag import Tag
 
 
@@ -35,13 +35,43 @@ class SavedActivation:
 
 
 @dataclass
+class BudgetReport:
+    """How a memory budget was met (all sizes in bytes, as Plan.total_bytes counts them)."""
+
+    budget: str  # as written: a fraction or a size
+    target: int
+    achieved: int
+    minimum: int  # the fewest saved bytes any valid plan has (fraction 0)
+    maximum: int  # the plan without a budget (fraction 1)
+    solver: str  # "ilp", "greedy", or "none" (the plan without a budget already fits)
+    solve_seconds: float
+    estimated_cost_s: float  # estimated recompute time of the plan
+    regions: Dict[str, "BudgetReport"] = field(default_factory=dict)  # remat.annotate(..., memory_budget=)
+
+    def __str__(self) -> str:
+        return (f"budget {self.budget}: target {fmt_bytes(self.target)}, achieved {fmt_bytes(self.achieved)} "
+                f"(feasible {fmt_bytes(self.minimum)} .. {fmt_bytes(self.maximum)}); {self.solver} in "
+                f"{self.solve_seconds * 1e3:.0f} ms, est. recompute {self.estimated_cost_s * 1e3:.3f} ms")
+
+
+@dataclass
 class Plan:
     saved: List[SavedActivation] = field(default_factory=list)
     recompute_flops: int = 0
-    recomputed: List[str] = field(default_factory=list)  # forward nodes the backward recomputes
+    recomputed: List[str] = field(default_factory=list)  # names of the forward nodes the backward recomputes
+    recomputed_fx: List[str] = field(default_factory=list)  # the same, as FX node names
     lower: str = "inductor"
     forward_ops: Counter = field(default_factory=Counter)  # aten op name -> count, in the forward graph
     backward_ops: Counter = field(default_factory=Counter)
+    recompute_cost_s: float = 0.0  # the cost model's estimate of the recompute's time
+    cost_model: str = ""
+    budget: Optional[BudgetReport] = None
+    forward_flops: int = 0
+    backward_flops: int = 0  # including the recompute
+
+    @property
+    def total_flops(self) -> int:
+        return self.forward_flops + self.backward_flops
 
     @property
     def total_bytes(self) -> int:
@@ -58,7 +88,11 @@ class Plan:
     def __str__(self) -> str:
         lines = [f"remat plan ({self.lower} lowering): {len(self.saved)} saved for backward, "
                  f"{self.total_bytes:,} bytes; recompute {self.recompute_flops:,} FLOPs "
-                 f"({len(self.recomputed)} forward nodes rerun in backward)"]
+                 f"({len(self.recomputed)} forward nodes rerun in backward, est. {self.recompute_cost_s * 1e3:.3f} ms)"]
+        if self.budget is not None:
+            lines.append(f"  {self.budget}")
+            for name, region in self.budget.regions.items():
+                lines.append(f"  region '{name}': {region}")
         for s in self.saved:
             shape = "x".join(map(str, s.shape)) or "scalar"
             where = f"  [{s.source}]" if s.source else ""
@@ -93,24 +127,10 @@ def _source(node: fx.Node) -> Optional[str]:
 _LIBRARY_PATHS = (str(pathlib.Path(__file__).resolve().parents[1]), str(pathlib.Path(torch.__file__).parent))
 
 
-def _flops(node: fx.Node) -> int:
-    packet = getattr(node.target, "overloadpacket", None)
-    fn = flop_registry.get(packet)
-    if fn is None:
-        return 0
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-    try:
-        return int(fn(*args, **kwargs, out_val=node.meta.get("val")))
-    except Exception:  # an op whose formula needs what the fake value lacks: count nothing
-        return 0
-
-
 def build_plan(joint: JointGraph, tags: Dict[fx.Node, Tag], fw: fx.GraphModule, bw: fx.GraphModule,
-               num_fwd_outputs: int, static_inputs: Sequence[int], lower: str) -> Plan:
+               num_fwd_outputs: int, params: Set[str], lower: str, cost_model=None) -> Plan:
     by_name = {n.name: n for n in joint.forward}
     tags = {n.name: t for n, t in tags.items()}
-    placeholders = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
-    params = {placeholders[i].name for i in static_inputs or () if i < len(placeholders)}
     plan = Plan(lower=lower)
     out_node = next(n for n in fw.graph.nodes if n.op == "output")
     counted: Dict[str, str] = {}  # base node name -> the name its bytes were charged to
@@ -120,7 +140,7 @@ def build_plan(joint: JointGraph, tags: Dict[fx.Node, Tag], fw: fx.GraphModule, 
         val = saved.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue  # symbolic sizes, RNG seeds
-        base = _view_base(saved)  # a saved view pins its base's storage: charge the base, once
+        base = storage_base(saved)  # a saved view pins its base's storage: charge the base, once
         node = by_name.get(saved.name, saved)
         base_node = by_name.get(base.name, base)
         name = joint.names.get(node, saved.name)
@@ -130,31 +150,29 @@ def build_plan(joint: JointGraph, tags: Dict[fx.Node, Tag], fw: fx.GraphModule, 
             nbytes, reason = 0, "parameter"
         else:
             base_val = base.meta.get("val", val)
-            nbytes = 0 if base.name in counted else _concrete(base_val.untyped_storage().nbytes())
+            nbytes = 0 if base.name in counted else concrete(base_val.untyped_storage().nbytes())
             reason = _reason(tag, base_node)
             if base.name in counted:
                 reason += f" (alias of {counted[base.name]})"
             elif base is not saved:
                 reason += f" (a view of {joint.names.get(base_node, base.name)})"
             counted.setdefault(base.name, name)
-        plan.saved.append(SavedActivation(name, saved.name, tuple(_concrete(d) for d in val.shape), val.dtype,
+        plan.saved.append(SavedActivation(name, saved.name, tuple(concrete(d) for d in val.shape), val.dtype,
                                           nbytes, reason, owner, _source(node)))
     plan.forward_ops = Counter(op_name(n) for n in fw.graph.nodes if n.op == "call_function")
     plan.backward_ops = Counter(op_name(n) for n in bw.graph.nodes if n.op == "call_function")
     fwd_names = {n.name for n in joint.forward}
     for node in bw.graph.nodes:
         if node.op == "call_function" and node.name in fwd_names:
-            plan.recomputed.append(node.name)
-            plan.recompute_flops += _flops(node)
+            plan.recomputed.append(joint.names.get(by_name[node.name], node.name))
+            plan.recomputed_fx.append(node.name)
+            plan.recompute_flops += flops(node)
+            if cost_model is not None:
+                plan.recompute_cost_s += cost_model(by_name[node.name])
+    plan.forward_flops = sum(flops(n) for n in fw.graph.nodes if n.op == "call_function")
+    plan.backward_flops = sum(flops(n) for n in bw.graph.nodes if n.op == "call_function")
+    plan.cost_model = cost_model.describe() if cost_model is not None else ""
     return plan
-
-
-def _concrete(x) -> int:
-    """An int for a size that may be symbolic (dynamic shapes): its hint, the example's value."""
-    if isinstance(x, torch.SymInt):
-        hint = x.node.hint
-        return int(hint) if hint is not None else 0
-    return int(x)
 
 
 def _reason(tag: Optional[Tag], node: fx.Node) -> str:
@@ -167,23 +185,6 @@ def _reason(tag: Optional[Tag], node: fx.Node) -> str:
     if node.meta.get("recompute") is TorchPolicy.MUST_SAVE:  # set by the partitioner's cleanup
         return "region boundary: an input of the next checkpoint region"
     return f"min-cut choice over {tag.policy.name} ({tag.reason})"
-
-
-def _view_base(node: fx.Node) -> fx.Node:
-    """The node whose storage ``node`` shares: through views, and through getitems of
-    multi-output views (split, unbind, chunk)."""
-    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
-        target = node.target
-        if target is operator.getitem:
-            parent = node.args[0]
-            if not (isinstance(parent.target, torch._ops.OpOverload) and parent.target.is_view):
-                break
-            node = parent
-        elif isinstance(target, torch._ops.OpOverload) and target.is_view:
-            node = node.args[0]
-        else:
-            break
-    return node
 
 
 def _owner(joint: JointGraph, node: fx.Node, tag: Optional[Tag]) -> Optional[str]:

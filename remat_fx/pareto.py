@@ -1,0 +1,161 @@
+"""remat_fx.pareto: sweep memory budgets over one model and see what each costs.
+
+    points = remat_fx.pareto(model, (x,), budgets=[0, 0.25, 0.5, 1.0], out="pareto_out")
+
+The model is traced once (torch.compile with the ``remat`` backend); every budget then re-runs
+the budget solver and the min-cut on the same joint graph, so a sweep costs one compile plus a
+fraction of a second per budget. Each point is the sum over the compiled graphs. With ``out``,
+writes ``pareto.md`` (table), ``pareto.csv`` and ``pareto.png`` (saved bytes vs estimated
+recompute time; needs matplotlib). Also a CLI: ``python -m remat_fx pareto --help``.
+"""
+from __future__ import annotations
+
+import csv
+import pathlib
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import List, Sequence
+
+import torch
+
+from remat_fx.memory_budget import fmt_bytes, parse_budget
+from remat_fx.options import parse_options
+from remat_fx.passes import partition as _partition
+from remat_fx.passes.plan import last_plan
+
+DEFAULT_BUDGETS = tuple(round(0.1 * i, 1) for i in range(11))
+
+
+@dataclass
+class ParetoPoint:
+    budget: str
+    target: int  # bytes
+    achieved: int  # saved bytes of the plan
+    minimum: int
+    maximum: int
+    recompute_flops: int
+    total_flops: int  # forward + backward (with the recompute), per step
+    est_recompute_ms: float
+    solver: str
+    solve_ms: float
+
+
+def pareto(model_or_fn, example_inputs: Sequence, budgets: Sequence = DEFAULT_BUDGETS, *, options=None,
+           out=None, progress: bool = True) -> List[ParetoPoint]:
+    """Saved bytes and recompute cost of the ``remat`` plan at each budget (see module doc)."""
+    budgets = list(budgets)
+    for b in budgets:
+        parse_budget(b)  # every budget checked before the compile
+    options = dict(options or {})
+    options.pop("memory_budget", None)
+    graphs = _capture(model_or_fn, tuple(example_inputs), options)
+    points: List[ParetoPoint] = []
+    bar = _Progress(len(budgets) * len(graphs), enabled=progress)
+    for b in budgets:
+        parsed = parse_options({**options, "memory_budget": b})
+        point = ParetoPoint(str(parse_budget(b)), 0, 0, 0, 0, 0, 0, 0.0, "", 0.0)
+        solvers = set()
+        for gm, joint_inputs, kwargs in graphs:
+            bar.step(f"budget {b}")
+            with _tracing(joint_inputs):  # what the partitioner expects around it, as during the compile
+                _partition.partition(gm, joint_inputs, options=parsed, **kwargs)
+            plan = last_plan()
+            rep = plan.budget
+            point.target += rep.target
+            point.achieved += rep.achieved
+            point.minimum += rep.minimum
+            point.maximum += rep.maximum
+            point.recompute_flops += plan.recompute_flops
+            point.total_flops += plan.total_flops
+            point.est_recompute_ms += plan.recompute_cost_s * 1e3
+            point.solve_ms += rep.solve_seconds * 1e3
+            solvers.add(rep.solver)
+        point.solver = "+".join(sorted(solvers))
+        points.append(point)
+    bar.done()
+    if out is not None:
+        write(points, out)
+    return points
+
+
+def _capture(model_or_fn, example_inputs, options):
+    """The joint graphs of one compile with the eager lowering (the cost model still reads the
+    ``lower`` option: Inductor sees the same joint graph)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model_or_fn, backend="remat", options={**options, "lower": "eager"})
+    with _partition.capture_joints() as graphs:
+        compiled(*example_inputs)
+    torch._dynamo.reset()
+    if not graphs:
+        raise ValueError("remat_fx.pareto: nothing was compiled for backward: the call made no graph that needs "
+                         "gradients (do the inputs or parameters require grad?)")
+    return graphs
+
+
+def _tracing(joint_inputs):
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+
+    return tracing(TracingContext(detect_fake_mode(joint_inputs)))
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.n, self.enabled, self.t0 = total, 0, enabled and total > 0, time.perf_counter()
+
+    def step(self, what: str) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        filled = width * self.n // self.total
+        sys.stderr.write(f"\rpareto [{'#' * filled}{'.' * (width - filled)}] {self.n}/{self.total} {what:<16s}")
+        sys.stderr.flush()
+        self.n += 1
+
+    def done(self) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\rpareto [{'#' * 30}] {self.total}/{self.total} in "
+                             f"{time.perf_counter() - self.t0:.1f} s{' ' * 10}\n")
+
+
+def table(points: List[ParetoPoint]) -> str:
+    head = ("| budget | target | saved | recompute GFLOP | total GFLOP/step | est. recompute ms | solver | solve ms |\n"
+            "|---|---|---|---|---|---|---|---|")
+    rows = [f"| {p.budget} | {fmt_bytes(p.target)} | {fmt_bytes(p.achieved)} | {p.recompute_flops / 1e9:.3f} | "
+            f"{p.total_flops / 1e9:.3f} | {p.est_recompute_ms:.3f} | {p.solver} | {p.solve_ms:.0f} |" for p in points]
+    if points:
+        rows.append(f"\nfeasible saved bytes: {fmt_bytes(points[0].minimum)} .. {fmt_bytes(points[0].maximum)}")
+    return "\n".join([head, *rows])
+
+
+def write(points: List[ParetoPoint], out) -> pathlib.Path:
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pareto.md").write_text(table(points) + "\n")
+    with open(out / "pareto.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(points[0])))
+        writer.writeheader()
+        writer.writerows(asdict(p) for p in points)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("remat_fx.pareto: matplotlib not installed, no plot (pip install matplotlib)", file=sys.stderr)
+        return out
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [p.achieved / 2**20 for p in points]
+    ys = [p.est_recompute_ms for p in points]
+    ax.plot(xs, ys, "o-", label="remat plan")
+    for p, x, y in zip(points, xs, ys):
+        ax.annotate(p.budget, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("saved activation bytes (MiB)")
+    ax.set_ylabel("estimated recompute time (ms)")
+    ax.set_title("remat_fx: memory budget sweep")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "pareto.png", dpi=120)
+    plt.close(fig)
+    return out

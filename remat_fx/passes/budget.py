@@ -1,0 +1,507 @@
+"""Budget: the fastest plan whose saved activation bytes fit a memory budget.
+
+A 0-1 integer program over the forward nodes of the joint graph (solved exactly by scipy's
+``milp``, i.e. HiGHS), per node v:
+
+    s_v = 1   v's output is saved for backward          r_v = 1   v is recomputed in backward
+    y_b = 1   storage b is held (a saved view pins its base's storage; parameters cost 0)
+
+    minimise   sum_v cost_v r_v  (+ a tie-break on bytes, so that a smaller budget never saves more)
+    such that  s_v + r_v >= 1            for every v backward reads
+               r_v <= s_u + r_u          for every input u of v (a recompute needs its inputs)
+               s_v <= y_base(v)
+               sum_b bytes_b y_b <= target          (and one such row per annotated region budget)
+               fixed by the tags: MUST_SAVE and random ops never recomputed, MUST_RECOMPUTE never
+               saved, tuples never saved, primal inputs never recomputed.
+
+The decisions become MUST_SAVE / MUST_RECOMPUTE tags and PyTorch's min-cut partition then
+follows them; the partition's actual saved bytes are checked against the target.
+A greedy fallback (best cost per byte first) answers when the ILP finds nothing in its time limit.
+"""
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set, Tuple
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from remat_fx.memory_budget import Budget, fmt_bytes, parse_budget
+from remat_fx.naming import META_BUDGET, META_BUDGET_REGION
+from remat_fx.passes.capture import JointGraph, is_multi_output, storage_base
+from remat_fx.passes.cost import concrete
+
+
+@dataclass
+class Problem:
+    """The budget problem on plain ids (node names), independent of FX."""
+
+    order: List[str]  # candidates in topological order
+    inputs: Dict[str, Tuple[str, ...]]  # candidate -> its candidate inputs
+    needed: Set[str]  # read by backward
+    base: Dict[str, str]  # candidate -> the storage it pins when saved
+    storage_bytes: Dict[str, int]
+    cost: Dict[str, float]
+    can_save: Set[str]
+    can_recompute: Set[str]
+    groups: Dict[str, Set[str]] = field(default_factory=dict)  # region budget name -> its storages
+    # seeded ops that draw nothing (attention with dropout_p=0) still make PyTorch's partitioner
+    # save an RNG state when recomputed: its bytes, charged as a storage "<name>#rng"
+    rng_bytes: Dict[str, int] = field(default_factory=dict)
+
+    def bytes_of(self, saved, group: Optional[str] = None, recomputed=()) -> int:
+        storages = {self.base[v] for v in saved} | {f"{v}#rng" for v in recomputed if v in self.rng_bytes}
+        if group is not None:
+            storages &= self.groups[group]
+        return sum(self.rng_bytes[b[:-4]] if b.endswith("#rng") else self.storage_bytes[b] for b in storages)
+
+
+@dataclass
+class Solution:
+    saved: Set[str]
+    recomputed: Set[str]
+    bytes: int
+    cost: float
+    method: str  # "ilp", "ilp (time limit)", "greedy"
+    seconds: float
+
+
+_REST = "<outside budgeted regions>"
+
+
+class BudgetInfeasible(ValueError):
+    pass
+
+
+# -- solving ------------------------------------------------------------------
+
+def closure(problem: Problem, saved: Set[str]) -> Optional[Tuple[Set[str], Set[str]]]:
+    """(saved, recomputed) when backward reads what ``saved`` leaves to recompute; nodes that
+    cannot be recomputed are saved. None when a node that can be neither is needed."""
+    saved = set(saved)
+    recomputed: Set[str] = set()
+    stack = [v for v in problem.needed if v not in saved]
+    while stack:
+        v = stack.pop()
+        if v in saved or v in recomputed:
+            continue
+        if v not in problem.can_recompute:
+            if v not in problem.can_save:
+                return None
+            saved.add(v)
+            continue
+        recomputed.add(v)
+        stack.extend(u for u in problem.inputs[v] if u not in saved and u not in recomputed)
+    return saved, recomputed
+
+
+def _cost(problem: Problem, recomputed) -> float:
+    return sum(problem.cost[v] for v in recomputed)
+
+
+def solve(problem: Problem, target: Optional[int], group_targets: Dict[str, int], *, method: str = "ilp",
+          time_limit: float = 10.0) -> Solution:
+    t0 = time.perf_counter()
+    if method == "ilp":
+        found = _milp(problem, target, group_targets, time_limit=time_limit)
+        if found is not None:
+            saved, recomputed = closure(problem, found[0])
+            return Solution(saved, recomputed, problem.bytes_of(saved, recomputed=recomputed),
+                            _cost(problem, recomputed), "ilp" if found[1] == 0 else "ilp (time limit, best found)",
+                            time.perf_counter() - t0)
+    saved, recomputed = _greedy(problem, target, group_targets, time_limit)
+    return Solution(saved, recomputed, problem.bytes_of(saved, recomputed=recomputed), _cost(problem, recomputed),
+                    "greedy",
+                    time.perf_counter() - t0)
+
+
+def minimum(problem: Problem, group: Optional[str] = None, time_limit: float = 10.0) -> Tuple[int, Set[str]]:
+    """The fewest saved bytes of any valid plan (in ``group``'s storages, when given)."""
+    found = _milp(problem, None, {}, objective=("bytes", group), time_limit=time_limit)
+    if found is None:  # no answer in time: everything recomputable recomputed is valid and near it
+        saved, recomputed = closure(problem, set())
+    else:
+        saved, recomputed = closure(problem, found[0])
+    return problem.bytes_of(saved, group, recomputed), saved
+
+
+def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), time_limit=10.0):
+    """The 0-1 program in the 'available / recomputed' form: a_v = s_v + r_v. Its rows other than
+    the budgets are difference constraints (a network matrix), so the LP relaxation is integral
+    but for the budget rows and branch-and-bound closes fast."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_array
+
+    nodes = problem.order
+    n = len(nodes)
+    index = {v: i for i, v in enumerate(nodes)}
+    A, R = 0, n  # variable blocks: a_v (available in backward), r_v (recomputed)
+    nvar = 2 * n
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def row(entries, lb, ub):
+        r = len(lo)
+        for c, v in entries:
+            rows.append(r)
+            cols.append(c)
+            vals.append(v)
+        lo.append(lb)
+        hi.append(ub)
+
+    lower, upper = np.zeros(nvar), np.ones(nvar)
+    for v in nodes:
+        i = index[v]
+        if v in problem.needed:
+            lower[A + i] = 1
+        row([(R + i, 1), (A + i, -1)], -np.inf, 0)  # s_v = a_v - r_v >= 0
+        if v not in problem.can_save:
+            row([(A + i, 1), (R + i, -1)], -np.inf, 0)  # s_v = 0
+        if v not in problem.can_recompute:
+            upper[R + i] = 0
+        for u in problem.inputs[v]:
+            row([(R + i, 1), (A + index[u], -1)], -np.inf, 0)  # a recompute needs its inputs
+    # saved bytes = sum over storage owners of m_v s_v (views are never saved: their base is),
+    # plus the RNG states of recomputed seeded ops
+    weight = np.array([problem.storage_bytes[v] if problem.base[v] == v else 0 for v in nodes], dtype=float)
+    rng = np.array([problem.rng_bytes.get(v, 0) for v in nodes], dtype=float)
+
+    def in_group(group):
+        if group is None:
+            return np.ones(n, dtype=bool), np.ones(n, dtype=bool)
+        members = problem.groups[group]
+        return (np.array([v in members for v in nodes]), np.array([f"{v}#rng" in members for v in nodes]))
+
+    def bytes_coefficients(group):
+        own, rng_own = in_group(group)
+        ws, wr = np.where(own, weight, 0.0), np.where(rng_own, rng, 0.0)
+        return ws, wr - ws  # on a_v, on r_v
+
+    def bytes_row(group, bound):
+        ca, cr = bytes_coefficients(group)
+        row([(A + i, ca[i]) for i in range(n) if ca[i]] + [(R + i, cr[i]) for i in range(n) if cr[i]],
+            -np.inf, bound)
+
+    if target is not None:
+        bytes_row(None, target)
+    for group, gtarget in group_targets.items():
+        bytes_row(group, gtarget)
+
+    c = np.zeros(nvar)
+    total_bytes = max(weight.sum() + rng.sum(), 1.0)
+    ca, cr = bytes_coefficients(None)
+    kind, group = objective
+    if kind == "cost":
+        costs = np.array([problem.cost[v] for v in nodes], dtype=float)
+        scale = costs.sum() or 1.0
+        c[A:A + n] = 1e-2 * ca / total_bytes  # tie-break: of equally fast plans, the one saving least
+        c[R:] = 1e4 * costs / scale + 1e-2 * cr / total_bytes
+    else:
+        c[A:A + n], c[R:] = 1e4 * ca / total_bytes, 1e4 * cr / total_bytes
+        if group is not None:  # the group's bytes first, then the fewest bytes elsewhere
+            ga, gr = bytes_coefficients(group)
+            c[A:A + n] = 1e4 * (ga + 1e-3 * (ca - ga)) / total_bytes
+            c[R:] = 1e4 * (gr + 1e-3 * (cr - gr)) / total_bytes
+    A_ = coo_array((vals, (rows, cols)), shape=(len(lo), nvar)).tocsr()
+    res = milp(c, constraints=[LinearConstraint(A_, lo, hi)], integrality=np.ones(nvar),
+               bounds=Bounds(lower, upper),
+               options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "presolve": True})
+    if res.x is None or res.status not in (0, 1):
+        return None
+    x = np.round(res.x)
+    saved = {v for v in nodes if x[A + index[v]] - x[R + index[v]] > 0.5}
+    return saved, res.status
+
+
+def _greedy(problem: Problem, target, group_targets, time_limit) -> Tuple[Set[str], Set[str]]:
+    """Start from the fewest saved bytes (a network LP, fast); save what costs most to recompute
+    per byte, while it fits."""
+    saved, recomputed = closure(problem, minimum(problem, time_limit=time_limit)[1])
+    if not _fits(problem, saved, recomputed, target, group_targets):
+        return saved, recomputed
+    pinned = {problem.base[v] for v in saved}
+
+    def ratio(v):
+        b = problem.base[v]
+        extra = 0 if b in pinned else problem.storage_bytes[b]
+        return problem.cost[v] / (extra + 1)
+
+    for v in sorted(recomputed & problem.can_save, key=ratio, reverse=True):
+        if v not in recomputed or problem.cost[v] <= 0:
+            continue
+        trial = closure(problem, saved | {v})
+        if _fits(problem, *trial, target, group_targets):
+            saved, recomputed = trial
+    return saved, recomputed
+
+
+def _fits(problem: Problem, saved, recomputed, target, group_targets) -> bool:
+    if target is not None and problem.bytes_of(saved, recomputed=recomputed) > target:
+        return False
+    return all(problem.bytes_of(saved, g, recomputed) <= t for g, t in group_targets.items())
+
+
+# -- the joint graph as a Problem --------------------------------------------
+
+def _is_sym(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return not isinstance(val, torch.Tensor) and not is_multi_output(node)
+
+
+def _recomputable_op(node: fx.Node) -> bool:
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False  # higher-order ops (effects, user kernels): left to the tags and the partitioner
+    return target.namespace not in ("_c10d_functional", "c10d_functional")
+
+
+def _seeded(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _rng_state_bytes(node: fx.Node) -> int:
+    """What PyTorch's partitioner saves to replay a recomputed seeded op: the CPU generator's state,
+    or a philox seed and offset on CUDA."""
+    val = node.meta.get("val")
+    val = val[0] if isinstance(val, (tuple, list)) else val
+    if isinstance(val, torch.Tensor) and val.device.type == "cuda":
+        return 16
+    return torch.get_rng_state().numel()
+
+
+def primal_inputs(gm: fx.GraphModule) -> List[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder" and not str(n.target).startswith(("tangents", "bwd_"))]
+
+
+def build_problem(joint: JointGraph, tags, params: Set[str], cost_model) -> Tuple[Problem, Dict[str, fx.Node]]:
+    """The candidates are the forward nodes and the primal inputs; tags fix what they say."""
+    from torch.utils.checkpoint import CheckpointPolicy as P
+
+    gm = joint.gm
+    primals = set(primal_inputs(gm))
+    candidates = [n for n in gm.graph.nodes if (n in joint.forward or n in primals) and not _is_sym(n)]
+    cset = set(candidates)
+    by_id = {n.name: n for n in candidates}
+    problem = Problem(order=[n.name for n in candidates], inputs={}, needed=set(), base={}, storage_bytes={},
+                      cost={}, can_save=set(), can_recompute=set())
+    grad_outputs = set()
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    fx.node.map_arg(output.args[0][joint.num_fwd_outputs:], grad_outputs.add)
+    for node in candidates:
+        name = node.name
+        problem.inputs[name] = tuple(u.name for u in node.all_input_nodes if u in cset)
+        if node in grad_outputs or any(u not in joint.forward and u.op == "call_function" for u in node.users):
+            problem.needed.add(name)
+        base = storage_base(node)
+        problem.base[name] = base.name
+        if base.name not in problem.storage_bytes:
+            val = base.meta.get("val")
+            nbytes = concrete(val.untyped_storage().nbytes()) if isinstance(val, torch.Tensor) else 0
+            problem.storage_bytes[base.name] = 0 if base.name in params else nbytes
+        tag = tags.get(node)
+        policy = tag.policy if tag is not None else None
+        if node.op == "placeholder":
+            problem.can_save.add(name)
+            problem.cost[name] = 0.0
+            continue
+        problem.cost[name] = float(cost_model(node))
+        if not is_multi_output(node) and policy is not P.MUST_RECOMPUTE:
+            problem.can_save.add(name)
+        if policy is not P.MUST_SAVE and (_recomputable_op(node) or policy is P.MUST_RECOMPUTE):
+            problem.can_recompute.add(name)
+            if _seeded(node):
+                problem.rng_bytes[name] = _rng_state_bytes(node)
+        region = joint.custom(node).get(META_BUDGET_REGION)
+        if region is not None:
+            problem.groups.setdefault(region, set()).update((base.name, f"{name}#rng"))
+    # a saved view pins its base's storage: save the base and redo the (free) view instead, so
+    # every storage has one owner; a view that must be saved makes its base unrecomputable
+    for name in problem.order:
+        base = problem.base[name]
+        if base == name:
+            continue
+        if name not in problem.can_recompute and name in problem.needed:
+            problem.can_recompute.add(name)
+            problem.can_recompute.discard(base)
+        elif name in problem.can_save:
+            problem.can_recompute.add(name)
+        problem.can_save.discard(name)
+        problem.cost[name] = 0.0
+    return problem, by_id
+
+
+def region_budgets(joint: JointGraph) -> Dict[str, object]:
+    """Annotated region name -> the budget written on it (remat.annotate(..., memory_budget=...))."""
+    out: Dict[str, object] = {}
+    for node in joint.forward:
+        custom = joint.custom(node)
+        region = custom.get(META_BUDGET_REGION)
+        if region is not None:
+            out[region] = custom.get(META_BUDGET)
+    return out
+
+
+# -- the budget pass ----------------------------------------------------------
+
+def budgets_of(joint: JointGraph, options) -> Dict[Optional[str], Budget]:
+    """{None: the graph's budget, region name: that region's budget}, those that are set."""
+    out: Dict[Optional[str], Budget] = {}
+    if options.memory_budget is not None:
+        out[None] = options.memory_budget
+    for region, value in region_budgets(joint).items():
+        out[region] = parse_budget(value, f"remat.annotate('{region}', memory_budget=...)")
+    return out
+
+
+def region_bytes(joint: JointGraph, plan, region: str, params: Set[str]) -> int:
+    nodes = {n.name: n for n in joint.gm.graph.nodes}
+    total = 0
+    for s in plan.saved:
+        node = nodes.get(s.fx_name)
+        if node is not None and joint.custom(storage_base(node)).get(META_BUDGET_REGION) == region:
+            total += s.bytes
+    return total
+
+
+def apply_budget(joint: JointGraph, tags, plan, budgets: Dict[Optional[str], Budget], params: Set[str],
+                 cost_model, options):
+    """New tags meeting the budgets (user MUST tags kept) and the BudgetReport (achieved filled in later)."""
+    from remat_fx.passes.plan import BudgetReport
+
+    t0 = time.perf_counter()
+    problem, by_id = build_problem(joint, tags, params, cost_model)
+    limit = options.solver_time_limit
+    saved_now = {s.fx_name for s in plan.saved} & set(problem.order)
+    recomputed_now = set(plan.recomputed_fx) & set(problem.order)
+    maximum = plan.total_bytes
+    min_bytes, min_saved = minimum(problem, time_limit=limit)
+    group_targets: Dict[str, int] = {}
+    regions: Dict[str, BudgetReport] = {}
+    for region, budget in budgets.items():
+        if region is None:
+            continue
+        gmax = problem.bytes_of(saved_now, region, recomputed_now)
+        gmin, gsaved = minimum(problem, region, time_limit=limit)
+        gmax = max(gmax, gmin)
+        gtarget = budget.target(gmin, gmax)
+        if gtarget < gmin:
+            raise _infeasible(f"remat.annotate('{region}', memory_budget={budget})", gtarget, gmin, gsaved,
+                              problem, by_id, joint, tags, region)
+        regions[region] = BudgetReport(str(budget), gtarget, 0, gmin, gmax, "none", 0.0, 0.0)
+        if gtarget < gmax:
+            group_targets[region] = gtarget
+    budget = budgets.get(None)
+    maximum = max(maximum, min_bytes)
+    if budget is not None:
+        target = budget.target(min_bytes, maximum)
+        if target < min_bytes:
+            raise _infeasible(f"memory_budget={budget}", target, min_bytes, min_saved, problem, by_id, joint, tags)
+        report = BudgetReport(str(budget), target, 0, min_bytes, maximum, "none", 0.0, 0.0, regions)
+    else:
+        target = maximum
+        report = BudgetReport("none (regions only)", maximum, 0, min_bytes, maximum, "none", 0.0, 0.0, regions)
+        if group_targets:  # what a region budget frees is not spent outside the budgeted regions
+            inside = set().union(*problem.groups.values())
+            problem.groups[_REST] = ({problem.base[v] for v in problem.order} |
+                                     {f"{v}#rng" for v in problem.rng_bytes}) - inside
+            group_targets[_REST] = problem.bytes_of(saved_now, _REST, recomputed_now)
+    if target >= maximum and not group_targets:
+        report.solve_seconds = time.perf_counter() - t0
+        return tags, report  # the plan without a budget fits: keep it
+    sol = solve(problem, min(target, maximum), group_targets, method=options.solver, time_limit=limit)
+    report.solver = sol.method
+    for region in group_targets:
+        if region in regions:
+            regions[region].solver = sol.method
+    new = _budget_tags(joint, tags, problem, by_id, sol)
+    report.solve_seconds = time.perf_counter() - t0
+    return new, report
+
+
+def _budget_tags(joint: JointGraph, tags, problem: Problem, by_id, sol: Solution):
+    from torch.utils.checkpoint import CheckpointPolicy as P
+
+    from remat_fx.passes.tag import Tag
+
+    new = dict(tags)
+    for name in problem.order:
+        node = by_id[name]
+        if node.op != "call_function":
+            continue
+        old = tags.get(node)
+        if old is not None and old.policy in (P.MUST_SAVE, P.MUST_RECOMPUTE):
+            continue  # the user's word (or a random op's) stands
+        over = f" (over {old.policy.name}: {old.reason})" if old is not None else ""
+        if name in sol.saved:
+            new[node] = Tag(P.MUST_SAVE, f"memory budget: saved{over}")
+        elif name in sol.recomputed:
+            new[node] = Tag(P.MUST_RECOMPUTE, f"memory budget: recomputed{over}")
+        else:
+            new[node] = Tag(P.MUST_SAVE, f"memory budget: not read by backward{over}")
+    for node in joint.gm.graph.nodes:
+        node.meta.pop("recompute", None)
+    for node, tag in new.items():
+        node.meta["recompute"] = tag.policy
+    # backward-formula nodes that read only forward values (no tangent) are computed in backward
+    # from what the plan keeps, as the solver assumed, not in forward and saved
+    tangent_closure: Set[fx.Node] = set()
+    for node in joint.gm.graph.nodes:
+        if (node.op == "placeholder" and str(node.target).startswith("tangents")) or \
+                any(u in tangent_closure for u in node.all_input_nodes):
+            tangent_closure.add(node)
+    for node in joint.gm.graph.nodes:
+        if node.op == "call_function" and node not in joint.forward and node not in tangent_closure:
+            node.meta["recompute"] = P.MUST_RECOMPUTE
+    return new
+
+
+def _why_kept(node, problem: Problem, by_id, joint, tags, label) -> str:
+    """Why the fewest-bytes plan keeps a node that could be recomputed: what the recompute needs."""
+    stack, seen = list(problem.inputs[node.name]), set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v not in problem.can_recompute:
+            u = by_id[v]
+            tag = tags.get(u)
+            why = tag.reason if tag is not None else ("graph input" if u.op == "placeholder" else "not recomputable")
+            return f"recomputing it needs {label(u)} ({why}), {fmt_bytes(problem.storage_bytes[problem.base[v]])}"
+        stack.extend(problem.inputs[v])
+    return "read by backward and cannot be recomputed"
+
+
+def _infeasible(what: str, target: int, minimum_bytes: int, saved: Set[str], problem: Problem, by_id, joint,
+                tags, region: Optional[str] = None) -> BudgetInfeasible:
+    storages: Dict[str, List[str]] = {}
+    for v in saved:
+        storages.setdefault(problem.base[v], []).append(v)
+    if region is not None:
+        storages = {b: vs for b, vs in storages.items() if b in problem.groups[region]}
+    biggest = sorted(storages, key=lambda b: -problem.storage_bytes[b])[:5]
+    label = lambda n: f"{joint.names.get(n, n.name)}" + (f" ({n.name})" if joint.names.get(n, n.name) != n.name else "")  # noqa: E731
+    lines = []
+    for b in biggest:
+        if not problem.storage_bytes[b]:
+            continue
+        node = by_id[sorted(storages[b])[0]]
+        tag = tags.get(node)
+        if node.op == "placeholder":
+            why = "graph input"
+        elif tag is not None and tag.saves:
+            why = tag.reason
+        else:
+            why = _why_kept(node, problem, by_id, joint, tags, label)
+        lines.append(f"    {label(node)}: {fmt_bytes(problem.storage_bytes[b])} ({why})")
+    return BudgetInfeasible(
+        f"remat_fx: {what} asks for at most {fmt_bytes(target)} ({target:,} bytes) of saved activations, below "
+        f"the feasible minimum {fmt_bytes(minimum_bytes)} ({minimum_bytes:,} bytes) for this graph"
+        f"{f' in that region' if region else ''}. Even with everything recomputable recomputed, these stay "
+        f"saved (largest first):\n" + "\n".join(lines) + f"\n  Raise the budget to at least {minimum_bytes:,} "
+        f"bytes, or allow more recompute (MUST_SAVE tags from save globs and SAVE ops count against it).")

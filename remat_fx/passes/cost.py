@@ -1,0 +1,192 @@
+"""Cost model: how long recomputing a forward node takes, in seconds.
+
+``roofline``: max(FLOPs / peak FLOP/s, bytes moved / memory bandwidth) + a per-op overhead
+(dispatch or kernel launch). Bytes moved are the node's tensor inputs and output.
+``auto``: the roofline, except that under the Inductor lowering the ops Inductor fuses into
+their consumers (pointwise, views, copies, reductions) move no bytes of their own and launch
+nothing: their recompute rides in a backward kernel that runs anyway. With the eager lowering
+every recomputed op is a separate op over memory, so ``auto`` is the plain roofline.
+``flops``: FLOPs only (PyTorch's default estimator: memory-bound ops are free).
+``profile``: the node run on random inputs of its shapes, median wall time; fused ops as ``auto``.
+FLOPs come from ``torch.utils.flop_counter``'s formulas, evaluated on the fake tensors.
+"""
+from __future__ import annotations
+
+import operator
+import statistics
+import time
+from dataclasses import dataclass, fields
+from typing import Dict, Iterable, Optional
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+COST_MODELS = ("auto", "roofline", "flops", "profile")
+
+
+@dataclass(frozen=True)
+class Roofline:
+    flops_per_s: float
+    bytes_per_s: float
+    op_overhead_s: float
+
+
+# defaults: a few-core CPU with AVX2 fp32, and a datacenter GPU (bf16 tensor cores)
+CPU = Roofline(flops_per_s=5e10, bytes_per_s=1e10, op_overhead_s=5e-6)
+CUDA = Roofline(flops_per_s=4e14, bytes_per_s=2.5e12, op_overhead_s=5e-6)
+
+
+def parse_roofline(value) -> Optional[Roofline]:
+    if value is None or isinstance(value, Roofline):
+        return value
+    names = [f.name for f in fields(Roofline)]
+    if not isinstance(value, dict) or set(value) - set(names):
+        raise ValueError(f"backend 'remat': option 'roofline' must be a dict with keys from {names}, "
+                         f"got {value!r}")
+    for k, v in value.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (k != "op_overhead_s" and v == 0):
+            raise ValueError(f"backend 'remat': option 'roofline': {k} must be a positive number, got {v!r}")
+    return value  # completed with the device's defaults once the device is known
+
+
+def device_roofline(device: torch.device, override=None) -> Roofline:
+    base = CUDA if device.type == "cuda" else CPU
+    if override is None:
+        return base
+    if isinstance(override, Roofline):
+        return override
+    return Roofline(**{**base.__dict__, **{k: float(v) for k, v in override.items()}})
+
+
+_REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "any", "all",
+               "argmax", "argmin", "logsumexp"}
+_COPIES = {"clone", "_to_copy", "copy", "expand", "alias", "lift_fresh_copy", "empty_like", "zeros_like",
+           "ones_like", "full_like", "full", "scalar_tensor", "iota", "arange"}
+
+
+def fusible(node: fx.Node) -> bool:
+    """Ops Inductor fuses into a neighbouring kernel (no separate pass over memory)."""
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.is_view or torch.Tag.pointwise in target.tags:
+        return True
+    name = target.overloadpacket.__name__
+    return name in _REDUCTIONS or name in _COPIES
+
+
+def flops(node: fx.Node) -> int:
+    packet = getattr(node.target, "overloadpacket", None)
+    fn = flop_registry.get(packet)
+    if fn is None:
+        return 0
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    try:
+        return int(fn(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # an op whose formula needs what the fake value lacks: count nothing
+        return 0
+
+
+def _nbytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return concrete(val.numel()) * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(_nbytes(v) for v in val)
+    return 0
+
+
+def moved_bytes(node: fx.Node) -> int:
+    """Bytes a standalone run of the node reads and writes (views move none)."""
+    target = node.target
+    if target is operator.getitem or (isinstance(target, torch._ops.OpOverload) and target.is_view):
+        return 0
+    return sum(_nbytes(n.meta.get("val")) for n in node.all_input_nodes) + _nbytes(node.meta.get("val"))
+
+
+def concrete(x) -> int:
+    """An int for a size that may be symbolic (dynamic shapes): its hint, the example's value."""
+    if isinstance(x, torch.SymInt):
+        hint = x.node.hint
+        return int(hint) if hint is not None else 0
+    return int(x)
+
+
+def node_device(nodes: Iterable[fx.Node]) -> torch.device:
+    for node in nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.device.type != "meta":
+            return val.device
+    return torch.device("cpu")
+
+
+class CostModel:
+    """Seconds to recompute each node, under one model, lowering and device."""
+
+    def __init__(self, model: str, lower: str, device: torch.device, roofline=None):
+        self.model, self.lower, self.device = model, lower, device
+        self.roof = device_roofline(device, roofline)
+        self._profiled: Dict[tuple, float] = {}
+
+    def describe(self) -> str:
+        r = self.roof
+        return (f"{self.model} ({self.lower} lowering; {r.flops_per_s:.3g} FLOP/s, {r.bytes_per_s:.3g} B/s, "
+                f"{r.op_overhead_s * 1e6:.3g} us/op)")
+
+    def __call__(self, node: fx.Node) -> float:
+        if node.op != "call_function" or node.target is operator.getitem:
+            return 0.0
+        fused = self.lower == "inductor" and fusible(node) and self.model != "roofline"
+        compute = flops(node) / self.roof.flops_per_s
+        if self.model == "flops":
+            return compute
+        if fused:
+            return compute
+        if self.model == "profile":
+            return self._profile(node)
+        memory = moved_bytes(node) / self.roof.bytes_per_s
+        return max(compute, memory) + self.roof.op_overhead_s
+
+    def _profile(self, node: fx.Node) -> float:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        key = (node.target, *[(tuple(map(concrete, v.shape)), v.dtype) if isinstance(v, torch.Tensor) else repr(v)
+                              for v in torch.utils._pytree.tree_leaves((args, kwargs))])
+        if key not in self._profiled:
+            self._profiled[key] = _time_op(node.target, args, kwargs, self.device)
+        return self._profiled[key]
+
+
+def _materialize(v, device):
+    if isinstance(v, torch.Tensor):
+        shape = tuple(concrete(d) for d in v.shape)
+        if v.dtype.is_floating_point or v.dtype.is_complex:
+            return torch.randn(shape, dtype=v.dtype, device=device)
+        if v.dtype == torch.bool:
+            return torch.ones(shape, dtype=torch.bool, device=device)
+        return torch.zeros(shape, dtype=v.dtype, device=device)
+    if isinstance(v, torch.SymInt):
+        return concrete(v)
+    return v
+
+
+def _time_op(target, args, kwargs, device, reps: int = 5) -> float:
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch(), torch.no_grad():
+        args, kwargs = torch.utils._pytree.tree_map(lambda v: _materialize(v, device), (args, kwargs))
+        try:
+            target(*args, **kwargs)  # warm up
+        except Exception:
+            return 0.0  # an op that cannot run on random inputs (indices out of range): unknown, free
+        times = []
+        for _ in range(reps):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            target(*args, **kwargs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)

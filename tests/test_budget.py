@@ -1,0 +1,375 @@
+"""Memory budget (compiler mode): byte and fraction budgets respected on several models, checked
+against the bytes autograd actually holds; monotone sweeps; infeasible budgets; user tags win;
+dropout gradients exact at every budget; the ILP equals brute force on small random problems."""
+import itertools
+import random
+
+import pytest
+import torch
+import transformers
+
+import remat_fx as remat
+from examples.gpt import GPT, GPTConfig, random_batch
+from remat_fx.memory_budget import Budget, parse_budget
+from remat_fx.passes import budget as B
+
+P = remat.CheckpointPolicy
+
+
+# -- models -----------------------------------------------------------------------------------
+
+class MLP(torch.nn.Module):
+    def __init__(self, d=32, n=4, dropout=0.0):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n))
+        self.dropout = dropout
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.nn.functional.dropout(torch.nn.functional.gelu(layer(x)).sin(), self.dropout, self.training)
+        return x.square().mean()
+
+
+def _mlp(dropout=0.0):
+    torch.manual_seed(0)
+    model = MLP(dropout=dropout)
+    return model, (torch.randn(16, 32, requires_grad=True),)
+
+
+def _gpt(dropout=0.0, checkpoint="none", policy="recompute_all"):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=16, d_model=32, n_head=2, n_layer=2, dropout=dropout)
+    model = GPT(cfg, checkpoint=checkpoint, policy=policy)
+    return model, random_batch(cfg, 2)
+
+
+def _hf_gpt2(dropout=0.0):
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=64,
+                                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                  use_cache=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            logits = self.model(ids).logits
+            return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
+
+    return Loss(), (ids,)
+
+
+MODELS = {"mlp": _mlp, "gpt": _gpt, "hf_gpt2": _hf_gpt2}
+
+
+class Held:
+    """Bytes autograd holds for backward, as saved_tensors_hooks see them: unique storages,
+    parameters excluded."""
+
+    def __init__(self, model):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.storages = {}
+
+    def pack(self, t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in self.params:
+            self.storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    @property
+    def bytes(self):
+        return sum(self.storages.values())
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
+def _step(model, inputs, options, seed=5):
+    """One compiled fwd+bwd: (loss, grads, held bytes, plan)."""
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    for t in inputs:
+        t.grad = None
+    f = torch.compile(model, backend="remat", options={"lower": "eager", **options}, fullgraph=True)
+    torch.manual_seed(seed)
+    with Held(model) as held:
+        loss = f(*inputs)
+    plan = remat.last_plan()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    grads += [t.grad.clone() for t in inputs if t.grad is not None]
+    return loss.detach(), grads, held.bytes, plan
+
+
+def _close(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- budgets respected ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_budgets_respected_against_held_bytes(name):
+    model, inputs = MODELS[name]()
+    _, want, held_none, plan_none = _step(model, inputs, {})
+    assert plan_none.budget is None and held_none == plan_none.total_bytes
+    lo = hi = None
+    for budget in (0.0, 0.35, 0.7, "bytes"):
+        if budget == "bytes":  # an absolute size a third of the way up the feasible range
+            budget = lo + (hi - lo) // 3
+        _, grads, held, plan = _step(model, inputs, {"memory_budget": budget})
+        rep = plan.budget
+        lo, hi = rep.minimum, rep.maximum
+        assert lo < hi == plan_none.total_bytes
+        assert rep.target == parse_budget(budget).target(lo, hi)
+        assert held == plan.total_bytes == rep.achieved <= rep.target, (budget, held, str(plan))
+        assert rep.solver == "ilp" and rep.solve_seconds > 0 and rep.estimated_cost_s == plan.recompute_cost_s
+        _close(grads, want)
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf_gpt2"])
+def test_sweep_is_monotone(name):
+    model, inputs = MODELS[name]()
+    fractions = [1.0, 0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05, 0.0]
+    points = remat.pareto(model, inputs, fractions, options={"lower": "eager"}, progress=False)
+    lo, hi = points[0].minimum, points[0].maximum
+    sizes = [lo + (hi - lo) * k // 7 for k in range(7, -1, -1)]
+    points += remat.pareto(model, inputs, sizes, options={"lower": "eager"}, progress=False)
+    for pts in (points[:len(fractions)], points[len(fractions):]):
+        achieved = [p.achieved for p in pts]
+        assert all(p.achieved <= p.target for p in pts)
+        assert achieved == sorted(achieved, reverse=True), achieved
+        assert achieved[-1] == lo
+        est = [p.est_recompute_ms for p in pts[1:]]  # budgets below the plan without one: exact optima
+        assert est == sorted(est) or all(b - a > -1e-9 for a, b in zip(est, est[1:])), est
+
+
+def test_infeasible_budget_names_the_minimum_and_what_stays():
+    model, inputs = _mlp(dropout=0.5)
+    with pytest.raises(Exception, match=r"memory_budget=16 B asks for at most 16 B \(16 bytes\) of saved activations, "
+                                        r"below the feasible minimum [0-9.]+ KiB \([0-9,]+ bytes\)(.|\n)*    gt( \(gt_[0-9]\))?: "
+                                        r"512 B \(recomputing it needs rand( \(rand_[0-9]\))? \(random op: saved so backward "
+                                        r"sees the forward's values\), 2.00 KiB(.|\n)*Raise the budget to at least"):
+        _step(model, inputs, {"memory_budget": 16})
+
+
+def test_user_tags_win_over_any_budget():
+    model, inputs = _gpt(checkpoint="remat", policy="save_matmuls")
+    options = {"recompute": ["layers.1.mlp.up"]}
+    _, want, _, free = _step(model, inputs, options)
+    recompute_tagged = (".mlp.act", ".attn.residual", "layers.1.mlp.up")  # (.mlp.residual: region output)
+    for budget in (0.0, 0.5, "1GiB"):
+        _, grads, held, plan = _step(model, inputs, {"memory_budget": budget, **options})
+        saved = {s.name for s in plan.saved}
+        assert {"layers.0.attn.qkv", "layers.1.attn.qkv"} <= saved  # SAVE, and read by the attention's recompute
+        assert not any(s.endswith(recompute_tagged) for s in saved), saved  # never saved, even at 1 GiB
+        # (and no SAVE op is recomputed, even at 0: the partition pass raises if a MUST_SAVE node is)
+        assert held == plan.total_bytes <= plan.budget.target
+        _close(grads, want)
+
+
+def test_budget_recomputes_and_saves_inside_regions():
+    """PREFER_RECOMPUTE (a region's default) is the budget's to decide: a generous byte budget
+    saves inside regions and recomputes less than the plan without a budget."""
+    model, inputs = _gpt(checkpoint="remat", policy="recompute_all")
+    _, want, _, free = _step(model, inputs, {})
+    _, grads, held, plan = _step(model, inputs, {"memory_budget": free.total_bytes * 3})
+    assert plan.budget.solver == "none"  # above the maximum: the plan without a budget stands
+    _, grads, held, small = _step(model, inputs, {"memory_budget": 0.0})
+    assert small.total_bytes == small.budget.minimum <= free.total_bytes
+    _close(grads, want)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "hf_gpt2"])
+def test_dropout_gradients_identical_under_every_budget(name):
+    model, inputs = MODELS[name](dropout=0.3)
+    _, want, _, ref = _step(model, inputs, {"save": ["*"]})  # no recompute at all, same seed
+    assert ref.recompute_flops == 0
+    for budget in (0.0, 0.25, 0.5, 0.75, 1.0):
+        _, grads, held, plan = _step(model, inputs, {"memory_budget": budget})
+        assert held <= plan.budget.target
+        _close(grads, want)
+
+
+def test_region_budget_through_annotate():
+    class M(torch.nn.Module):
+        def __init__(self, budget):
+            super().__init__()
+            torch.manual_seed(0)
+            self.w1, self.w2 = torch.nn.Parameter(torch.randn(32, 32)), torch.nn.Parameter(torch.randn(32, 32))
+            self.budget = budget
+
+        def forward(self, x):
+            with remat.annotate("a", memory_budget=self.budget):
+                h = (x @ self.w1).sin().cos()
+            with remat.annotate("b"):
+                h = (h @ self.w2).sin().cos()
+            return h.sum()
+
+    x = torch.randn(16, 32, requires_grad=True)
+    _, want, _, free = _step(M(None), (x,), {})
+    assert free.budget is None
+    _, grads, held, plan = _step(M(0.0), (x,), {})
+    region = plan.budget.regions["a"]
+    assert region.achieved == region.minimum < region.maximum
+    b_bytes = lambda p: sum(s.bytes for s in p.saved if s.name.startswith("b."))  # noqa: E731
+    assert b_bytes(plan) <= b_bytes(free) and plan.total_bytes < free.total_bytes  # nothing freed is spent in b
+    assert held == plan.total_bytes
+    _close(grads, want)
+
+
+def test_config_default_and_option_override():
+    model, inputs = _mlp()
+    old = remat.config.memory_budget
+    remat.config.memory_budget = 0.0
+    try:
+        *_, plan = _step(model, inputs, {})
+        assert plan.budget.budget == "0" and plan.total_bytes == plan.budget.minimum
+        *_, plan = _step(model, inputs, {"memory_budget": 1.0})
+        assert plan.budget.solver == "none" and plan.total_bytes == plan.budget.maximum
+    finally:
+        remat.config.memory_budget = old
+
+
+@pytest.mark.parametrize("solver, options", [("greedy", {"solver": "greedy"}),
+                                             ("ilp time limit", {"solver_time_limit": 1e-9})])
+def test_fallback_solvers_respect_the_budget(solver, options):
+    model, inputs = _gpt()
+    _, want, _, _ = _step(model, inputs, {})
+    _, grads, held, plan = _step(model, inputs, {"memory_budget": 0.3, **options})
+    assert plan.budget.solver.startswith("greedy" if solver == "greedy" else ("greedy", "ilp (time limit"))
+    assert held == plan.total_bytes <= plan.budget.target
+    _close(grads, want)
+
+
+def test_inductor_lowering_respects_the_budget():
+    model, inputs = _mlp()
+    _, want, _, _ = _step(model, inputs, {})
+    _, grads, held, plan = _step(model, inputs, {"memory_budget": 0.3, "lower": "inductor"})
+    assert held == plan.total_bytes <= plan.budget.target < plan.budget.maximum
+    _close(grads, want)
+
+
+def test_cost_models_differ_where_they_should():
+    """Under Inductor ('auto') pointwise recompute is free; with the eager lowering it costs memory
+    traffic, so the eager-lowered plan at the same budget recomputes fewer pointwise ops."""
+    model, inputs = _gpt()
+    pts = {lower: remat.pareto(model, inputs, [0.5], options={"lower": lower}, progress=False)[0]
+           for lower in ("eager", "inductor")}
+    assert pts["eager"].achieved <= pts["eager"].target and pts["inductor"].achieved <= pts["inductor"].target
+    flops_only = remat.pareto(model, inputs, [0.5], options={"cost_model": "flops"}, progress=False)[0]
+    assert flops_only.recompute_flops <= pts["eager"].recompute_flops
+
+
+# -- parsing ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, want", [
+    (0, Budget(fraction=0.0)), (1, Budget(fraction=1.0)), (0.25, Budget(fraction=0.25)), ("50%", Budget(fraction=0.5)),
+    (4096, Budget(nbytes=4096)), ("4096B", Budget(nbytes=4096)), ("512MiB", Budget(nbytes=512 * 2**20)),
+    ("1.5GB", Budget(nbytes=1_500_000_000)), ("2 KiB", Budget(nbytes=2048)),
+])
+def test_parse_budget(value, want):
+    assert parse_budget(value) == want
+
+
+@pytest.mark.parametrize("value, message", [
+    (True, r"got True"), (-5, r"got a negative size -5"), (1.01, r"a float must be a fraction"),
+    ("120%", r"a percentage is at most 100%"), ("lots", r"got 'lots' \(units:"), ([1], r"got list"),
+])
+def test_parse_budget_errors(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_budget(value)
+
+
+def test_annotate_budget_is_checked_in_eager_too():
+    with pytest.raises(ValueError, match=r"remat.annotate\('blk', memory_budget=...\) takes a fraction"):
+        remat.annotate("blk", memory_budget=2.5)
+    with pytest.warns(UserWarning, match=r"memory budgets are solved in compiler mode"):
+        with remat.annotate("blk.eager", memory_budget=0.5):
+            pass
+
+
+# -- the ILP against brute force ----------------------------------------------------------------
+
+def _random_problem(rng: random.Random, n: int) -> B.Problem:
+    names = [f"n{i}" for i in range(n)]
+    inputs, base = {}, {}
+    for i, v in enumerate(names):
+        inputs[v] = tuple(sorted(set(rng.sample(names[:i], k=min(i, rng.randint(0, 2))))))
+        base[v] = v
+    for i, v in enumerate(names):  # some views: share an input's storage (the input is their base)
+        if inputs[v] and rng.random() < 0.2:
+            base[v] = base[inputs[v][0]]
+    p = B.Problem(order=names, inputs=inputs, needed=set(rng.sample(names, k=rng.randint(1, n))), base=base,
+                  storage_bytes={v: rng.choice([0, 4, 8, 16, 32, 64]) for v in names},
+                  cost={v: rng.choice([0.0, 1.0, 2.0, 5.0, 13.0]) for v in names},
+                  can_save=set(names), can_recompute=set(names))
+    for v in names:
+        r = rng.random()
+        if r < 0.15:
+            p.can_recompute.discard(v)  # MUST_SAVE / random / input
+        elif r < 0.25:
+            p.can_save.discard(v)  # MUST_RECOMPUTE / tuple
+    for v in rng.sample(names, k=n // 4):  # seeded ops that save an RNG state when recomputed
+        if v in p.can_recompute:
+            p.rng_bytes[v] = rng.choice([4, 24])
+    for v in names:  # views as build_problem makes them: never saved themselves, free to redo
+        if base[v] != v:
+            p.can_save.discard(v)
+            p.can_recompute.add(v)
+            p.cost[v] = 0.0
+    return p
+
+
+def _brute(p: B.Problem, target):
+    best = None
+    choices = sorted(p.can_save)
+    for k in range(len(choices) + 1):
+        for saved in itertools.combinations(choices, k):
+            res = B.closure(p, set(saved))
+            if res is None:
+                continue
+            s, r = res
+            nbytes, cost = p.bytes_of(s, recomputed=r), sum(p.cost[v] for v in r)
+            if target is not None and nbytes > target:
+                continue
+            if best is None or (cost, nbytes) < best:
+                best = (cost, nbytes)
+    return best
+
+
+def test_ilp_matches_brute_force_on_random_graphs():
+    rng = random.Random(0)
+    checked = 0
+    for trial in range(60):
+        p = _random_problem(rng, rng.randint(3, 10))
+        if B.closure(p, set()) is None:
+            continue  # a needed node that can be neither saved nor recomputed: no valid plan
+        lo = _brute(p, None)
+        min_bytes, _ = B.minimum(p)
+        assert min_bytes == min(p.bytes_of(*B.closure(p, set(s))[:1], recomputed=B.closure(p, set(s))[1])
+                                for k in range(len(p.can_save) + 1)
+                                for s in itertools.combinations(sorted(p.can_save), k)
+                                if B.closure(p, set(s)) is not None)
+        total = sum(p.storage_bytes.values()) + sum(p.rng_bytes.values())
+        for target in sorted({min_bytes, (min_bytes + total) // 2, total, lo[1]}):
+            want = _brute(p, target)
+            sol = B.solve(p, target, {})
+            assert sol.method == "ilp"
+            assert sol.bytes <= target
+            assert abs(sol.cost - want[0]) < 1e-9, (trial, target, sol, want)
+            assert sol.bytes == want[1], (trial, target, sol, want)  # the tie-break: fewest bytes
+            greedy = B.solve(p, target, {}, method="greedy")
+            assert greedy.bytes <= target and greedy.cost >= want[0] - 1e-9
+            checked += 1
+    assert checked > 100
