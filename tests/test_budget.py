@@ -320,9 +320,6 @@ def _random_problem(rng: random.Random, n: int) -> B.Problem:
             p.can_recompute.discard(v)  # MUST_SAVE / random / input
         elif r < 0.25:
             p.can_save.discard(v)  # MUST_RECOMPUTE / tuple
-    for v in rng.sample(names, k=n // 4):  # seeded ops that save an RNG state when recomputed
-        if v in p.can_recompute:
-            p.rng_bytes[v] = rng.choice([4, 24])
     for v in names:  # views as build_problem makes them: never saved themselves, free to redo
         if base[v] != v:
             p.can_save.discard(v)
@@ -340,7 +337,7 @@ def _brute(p: B.Problem, target):
             if res is None:
                 continue
             s, r = res
-            nbytes, cost = p.bytes_of(s, recomputed=r), sum(p.cost[v] for v in r)
+            nbytes, cost = p.bytes_of(s), sum(p.cost[v] for v in r)
             if target is not None and nbytes > target:
                 continue
             if best is None or (cost, nbytes) < best:
@@ -357,11 +354,11 @@ def test_ilp_matches_brute_force_on_random_graphs():
             continue  # a needed node that can be neither saved nor recomputed: no valid plan
         lo = _brute(p, None)
         min_bytes, _ = B.minimum(p)
-        assert min_bytes == min(p.bytes_of(*B.closure(p, set(s))[:1], recomputed=B.closure(p, set(s))[1])
+        assert min_bytes == min(p.bytes_of(B.closure(p, set(s))[0])
                                 for k in range(len(p.can_save) + 1)
                                 for s in itertools.combinations(sorted(p.can_save), k)
                                 if B.closure(p, set(s)) is not None)
-        total = sum(p.storage_bytes.values()) + sum(p.rng_bytes.values())
+        total = sum(p.storage_bytes.values())
         for target in sorted({min_bytes, (min_bytes + total) // 2, total, lo[1]}):
             want = _brute(p, target)
             sol = B.solve(p, target, {})

@@ -254,3 +254,19 @@ def test_debug_option_is_eager_only_and_ignored_under_compile():
     x = torch.randn(4, requires_grad=True)
     _compile(lambda x: remat.checkpoint(debug=True)(lambda x: x.sin().cos())(x).sum())(x).backward()
     torch.testing.assert_close(x.grad, -x.detach().sin().sin() * x.detach().cos())
+
+
+def test_call_site_policy_outside_regions_decides_nothing():
+    """As on the eager tape, where a remat op outside any checkpoint region only runs and names:
+    the RECOMPUTE written at the call site changes nothing (the min-cut keeps its matmul)."""
+    x, w = torch.randn(8, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True)
+
+    def fn(x):
+        return alinear(x.cos(), w, "l", P.RECOMPUTE).sin().sum()
+
+    want = grads(fn(x), [x, w])
+    got = grads(_compile(fn)(x), [x, w])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    plan = remat.last_plan()
+    assert plan.backward_ops["mm"] == 2 and "l" in {s.name for s in plan.saved}

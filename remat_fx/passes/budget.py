@@ -48,15 +48,12 @@ class Problem:
     can_save: Set[str]
     can_recompute: Set[str]
     groups: Dict[str, Set[str]] = field(default_factory=dict)  # region budget name -> its storages
-    # seeded ops that draw nothing (attention with dropout_p=0) still make PyTorch's partitioner
-    # save an RNG state when recomputed: its bytes, charged as a storage "<name>#rng"
-    rng_bytes: Dict[str, int] = field(default_factory=dict)
 
-    def bytes_of(self, saved, group: Optional[str] = None, recomputed=()) -> int:
-        storages = {self.base[v] for v in saved} | {f"{v}#rng" for v in recomputed if v in self.rng_bytes}
+    def bytes_of(self, saved, group: Optional[str] = None) -> int:
+        storages = {self.base[v] for v in saved}
         if group is not None:
             storages &= self.groups[group]
-        return sum(self.rng_bytes[b[:-4]] if b.endswith("#rng") else self.storage_bytes[b] for b in storages)
+        return sum(self.storage_bytes[b] for b in storages)
 
 
 @dataclass
@@ -109,11 +106,11 @@ def solve(problem: Problem, target: Optional[int], group_targets: Dict[str, int]
         found = _milp(problem, target, group_targets, time_limit=time_limit)
         if found is not None:
             saved, recomputed = closure(problem, found[0])
-            return Solution(saved, recomputed, problem.bytes_of(saved, recomputed=recomputed),
+            return Solution(saved, recomputed, problem.bytes_of(saved),
                             _cost(problem, recomputed), "ilp" if found[1] == 0 else "ilp (time limit, best found)",
                             time.perf_counter() - t0)
     saved, recomputed = _greedy(problem, target, group_targets, time_limit)
-    return Solution(saved, recomputed, problem.bytes_of(saved, recomputed=recomputed), _cost(problem, recomputed),
+    return Solution(saved, recomputed, problem.bytes_of(saved), _cost(problem, recomputed),
                     "greedy",
                     time.perf_counter() - t0)
 
@@ -122,10 +119,10 @@ def minimum(problem: Problem, group: Optional[str] = None, time_limit: float = 1
     """The fewest saved bytes of any valid plan (in ``group``'s storages, when given)."""
     found = _milp(problem, None, {}, objective=("bytes", group), time_limit=time_limit)
     if found is None:  # no answer in time: everything recomputable recomputed is valid and near it
-        saved, recomputed = closure(problem, set())
+        saved, _ = closure(problem, set())
     else:
-        saved, recomputed = closure(problem, found[0])
-    return problem.bytes_of(saved, group, recomputed), saved
+        saved, _ = closure(problem, found[0])
+    return problem.bytes_of(saved, group), saved
 
 
 def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), time_limit=10.0):
@@ -163,21 +160,12 @@ def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), 
             upper[R + i] = 0
         for u in problem.inputs[v]:
             row([(R + i, 1), (A + index[u], -1)], -np.inf, 0)  # a recompute needs its inputs
-    # saved bytes = sum over storage owners of m_v s_v (views are never saved: their base is),
-    # plus the RNG states of recomputed seeded ops
+    # saved bytes = sum over storage owners of m_v s_v (views are never saved: their base is)
     weight = np.array([problem.storage_bytes[v] if problem.base[v] == v else 0 for v in nodes], dtype=float)
-    rng = np.array([problem.rng_bytes.get(v, 0) for v in nodes], dtype=float)
 
-    def in_group(group):
-        if group is None:
-            return np.ones(n, dtype=bool), np.ones(n, dtype=bool)
-        members = problem.groups[group]
-        return (np.array([v in members for v in nodes]), np.array([f"{v}#rng" in members for v in nodes]))
-
-    def bytes_coefficients(group):
-        own, rng_own = in_group(group)
-        ws, wr = np.where(own, weight, 0.0), np.where(rng_own, rng, 0.0)
-        return ws, wr - ws  # on a_v, on r_v
+    def bytes_coefficients(group):  # on a_v and on r_v (s_v = a_v - r_v)
+        ws = weight if group is None else np.where([v in problem.groups[group] for v in nodes], weight, 0.0)
+        return ws, -ws
 
     def bytes_row(group, bound):
         ca, cr = bytes_coefficients(group)
@@ -190,7 +178,7 @@ def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), 
         bytes_row(group, gtarget)
 
     c = np.zeros(nvar)
-    total_bytes = max(weight.sum() + rng.sum(), 1.0)
+    total_bytes = max(weight.sum(), 1.0)
     ca, cr = bytes_coefficients(None)
     kind, group = objective
     if kind == "cost":
@@ -219,7 +207,7 @@ def _greedy(problem: Problem, target, group_targets, time_limit) -> Tuple[Set[st
     """Start from the fewest saved bytes (a network LP, fast); save what costs most to recompute
     per byte, while it fits."""
     saved, recomputed = closure(problem, minimum(problem, time_limit=time_limit)[1])
-    if not _fits(problem, saved, recomputed, target, group_targets):
+    if not _fits(problem, saved, target, group_targets):
         return saved, recomputed
     pinned = {problem.base[v] for v in saved}
 
@@ -232,15 +220,15 @@ def _greedy(problem: Problem, target, group_targets, time_limit) -> Tuple[Set[st
         if v not in recomputed or problem.cost[v] <= 0:
             continue
         trial = closure(problem, saved | {v})
-        if _fits(problem, *trial, target, group_targets):
+        if _fits(problem, trial[0], target, group_targets):
             saved, recomputed = trial
     return saved, recomputed
 
 
-def _fits(problem: Problem, saved, recomputed, target, group_targets) -> bool:
-    if target is not None and problem.bytes_of(saved, recomputed=recomputed) > target:
+def _fits(problem: Problem, saved, target, group_targets) -> bool:
+    if target is not None and problem.bytes_of(saved) > target:
         return False
-    return all(problem.bytes_of(saved, g, recomputed) <= t for g, t in group_targets.items())
+    return all(problem.bytes_of(saved, g) <= t for g, t in group_targets.items())
 
 
 # -- the joint graph as a Problem --------------------------------------------
@@ -257,21 +245,6 @@ def _recomputable_op(node: fx.Node) -> bool:
     if not isinstance(target, torch._ops.OpOverload):
         return False  # higher-order ops (effects, user kernels): left to the tags and the partitioner
     return target.namespace not in ("_c10d_functional", "c10d_functional")
-
-
-def _seeded(node: fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
-
-
-def _rng_state_bytes(node: fx.Node) -> int:
-    """What PyTorch's partitioner saves to replay a recomputed seeded op: the CPU generator's state,
-    or a philox seed and offset on CUDA."""
-    val = node.meta.get("val")
-    val = val[0] if isinstance(val, (tuple, list)) else val
-    if isinstance(val, torch.Tensor) and val.device.type == "cuda":
-        return 16
-    return torch.get_rng_state().numel()
 
 
 def primal_inputs(gm: fx.GraphModule) -> List[fx.Node]:
@@ -314,11 +287,9 @@ def build_problem(joint: JointGraph, tags, params: Set[str], cost_model) -> Tupl
             problem.can_save.add(name)
         if policy is not P.MUST_SAVE and (_recomputable_op(node) or policy is P.MUST_RECOMPUTE):
             problem.can_recompute.add(name)
-            if _seeded(node):
-                problem.rng_bytes[name] = _rng_state_bytes(node)
         region = joint.custom(node).get(META_BUDGET_REGION)
         if region is not None:
-            problem.groups.setdefault(region, set()).update((base.name, f"{name}#rng"))
+            problem.groups.setdefault(region, set()).add(base.name)
     # a saved view pins its base's storage: save the base and redo the (free) view instead, so
     # every storage has one owner; a view that must be saved makes its base unrecomputable
     for name in problem.order:
@@ -377,7 +348,6 @@ def apply_budget(joint: JointGraph, tags, plan, budgets: Dict[Optional[str], Bud
     problem, by_id = build_problem(joint, tags, params, cost_model)
     limit = options.solver_time_limit
     saved_now = {s.fx_name for s in plan.saved} & set(problem.order)
-    recomputed_now = set(plan.recomputed_fx) & set(problem.order)
     maximum = plan.total_bytes
     min_bytes, min_saved = minimum(problem, time_limit=limit)
     group_targets: Dict[str, int] = {}
@@ -385,7 +355,7 @@ def apply_budget(joint: JointGraph, tags, plan, budgets: Dict[Optional[str], Bud
     for region, budget in budgets.items():
         if region is None:
             continue
-        gmax = problem.bytes_of(saved_now, region, recomputed_now)
+        gmax = problem.bytes_of(saved_now, region)
         gmin, gsaved = minimum(problem, region, time_limit=limit)
         gmax = max(gmax, gmin)
         gtarget = budget.target(gmin, gmax)
@@ -407,9 +377,8 @@ def apply_budget(joint: JointGraph, tags, plan, budgets: Dict[Optional[str], Bud
         report = BudgetReport("none (regions only)", maximum, 0, min_bytes, maximum, "none", 0.0, 0.0, regions)
         if group_targets:  # what a region budget frees is not spent outside the budgeted regions
             inside = set().union(*problem.groups.values())
-            problem.groups[_REST] = ({problem.base[v] for v in problem.order} |
-                                     {f"{v}#rng" for v in problem.rng_bytes}) - inside
-            group_targets[_REST] = problem.bytes_of(saved_now, _REST, recomputed_now)
+            problem.groups[_REST] = {problem.base[v] for v in problem.order} - inside
+            group_targets[_REST] = problem.bytes_of(saved_now, _REST)
     if target >= maximum and not group_targets:
         report.solve_seconds = time.perf_counter() - t0
         return tags, report  # the plan without a budget fits: keep it

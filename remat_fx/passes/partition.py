@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import time
 from typing import List, Set
 
 import torch
@@ -20,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
 from remat_fx.options import BackendOptions
 from remat_fx.passes.budget import apply_budget, budgets_of
-from remat_fx.passes.capture import read_joint
+from remat_fx.passes.capture import is_random, read_joint
 from remat_fx.passes.cost import CostModel, node_device
 from remat_fx.passes.plan import build_plan, record
 from remat_fx.passes.tag import tag_joint
@@ -43,6 +44,7 @@ def capture_joints():
 
 def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions, num_fwd_outputs: int,
               static_lifetime_input_indices=None, **kwargs):
+    t0 = time.perf_counter()
     for sink in _SINKS:
         sink.append((joint_gm, joint_inputs, dict(kwargs, num_fwd_outputs=num_fwd_outputs,
                                                   static_lifetime_input_indices=static_lifetime_input_indices)))
@@ -59,7 +61,7 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             static_lifetime_input_indices=static_lifetime_input_indices, **kwargs)
 
     # our budget, not PyTorch's (its global knob would otherwise re-decide the min-cut's plan)
-    with torch._functorch.config.patch(activation_memory_budget=1.0, cse=False):
+    with torch._functorch.config.patch(activation_memory_budget=1.0, cse=False), _rng_ops_that_draw():
         fw, bw = min_cut()
         plan = build_plan(joint, tags, fw, bw, num_fwd_outputs, params, options.lower, cost)
         budgets = budgets_of(joint, options)
@@ -73,10 +75,31 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             _check_achieved(report, plan, joint, params)
             plan.budget = report
     check_follows_tags(joint.names, tags, bw)
+    plan.partition_seconds = time.perf_counter() - t0
     record(plan)
     if options.report:
         print(plan)
     return fw, bw
+
+
+@contextlib.contextmanager
+def _rng_ops_that_draw():
+    """PyTorch's partitioner saves an RNG state (5 KiB on CPU) for every recomputed op tagged
+    nondeterministic_seeded, even attention called with dropout_p=0, which draws nothing. Random
+    ops are never recomputed here (the tag pass saves them), so there is no state to keep: the
+    partitioner's check is narrowed to ops that draw, for the length of our partition call."""
+    from torch._functorch import partitioners
+
+    real = partitioners.has_recomputable_rng_ops
+
+    def drawing(gm):
+        return any(partitioners.must_recompute(n) and is_random(n) for n in gm.graph.nodes if n.op == "call_function")
+
+    partitioners.has_recomputable_rng_ops = drawing
+    try:
+        yield
+    finally:
+        partitioners.has_recomputable_rng_ops = real
 
 
 def _prepare(gm: fx.GraphModule) -> None:

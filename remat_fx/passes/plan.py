@@ -68,6 +68,7 @@ class Plan:
     budget: Optional[BudgetReport] = None
     forward_flops: int = 0
     backward_flops: int = 0  # including the recompute
+    partition_seconds: float = 0.0  # capture, tags, budget solve and min-cut
 
     @property
     def total_flops(self) -> int:

@@ -5,7 +5,8 @@ Precedence (first that applies):
   2. the backend's ``save``/``recompute`` option globs (MUST);
   3. the enclosing region's ``save``/``offload``/``recompute`` globs (MUST);
   4. a region's outputs (MUST_SAVE): as in eager mode, their consumers outside the region hold them;
-  5. the policy written at the call site: remat.op / native_op / annotate (MUST);
+  5. inside a checkpoint region, the policy written at the call site: remat.op / native_op /
+     annotate (MUST); outside one it decides nothing, as in eager mode;
   6. inside a remat.checkpoint region: PREFER_RECOMPUTE, as non-reentrant AC recomputes it;
   7. otherwise no tag: the min-cut partitioner chooses.
 A SAVE op's inputs follow their own producers' tags, as on the eager tape, where a SAVE op's
@@ -69,7 +70,9 @@ def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions) -> Optio
         # as in eager mode, a region's outputs are held by their consumers outside it
         return Tag(TorchPolicy.MUST_SAVE, f"output of checkpoint region '{custom.get(META_REGION, '?')}'")
     written = custom.get(META_POLICY)
-    if written is not None and custom.get(META_NAME) is not None and not (_is_layout(node) and written != "RECOMPUTE"):
+    if in_region and written is not None and custom.get(META_NAME) is not None \
+            and not (_is_layout(node) and written != "RECOMPUTE"):
+        # (outside a checkpoint region a call-site policy decides nothing, as on the eager tape)
         # (views and copies inside a SAVE op are free to redo from what they copy: that decides)
         return Tag(_MUST[written], f"{written} at the call site of '{custom[META_NAME]}'")
     if in_region:
