@@ -389,5 +389,15 @@ def main() -> None:
               f"{fmt_bytes(r['hooks']):>19s} |")
 
 
+def pareto_example():
+    """For ``python -m remat_fx pareto examples/gpt.py:pareto_example``: the model (no checkpoint
+    annotations: the budget decides) and one batch."""
+    cfg = GPTConfig(n_layer=2, d_model=128, seq=64, vocab=256)
+    model = make_model(cfg, "none", "recompute_all")
+    _causal_mask(cfg.seq, torch.device("cpu"))
+    return model, random_batch(cfg, 4)
+
+
 if __name__ == "__main__":
     main()
+

@@ -370,3 +370,43 @@ def test_ilp_matches_brute_force_on_random_graphs():
             assert greedy.bytes <= target and greedy.cost >= want[0] - 1e-9
             checked += 1
     assert checked > 100
+
+
+# -- pareto and its CLI ---------------------------------------------------------------------------
+
+def test_pareto_writes_table_csv_plot(tmp_path):
+    model, inputs = _mlp()
+    points = remat.pareto(model, inputs, [0.0, "4KiB", 1.0], options={"lower": "eager"}, out=tmp_path,
+                          progress=False)
+    assert [p.budget for p in points] == ["0", "4.00 KiB", "1"]
+    assert points[0].achieved == points[0].minimum < points[2].achieved == points[2].maximum
+    assert points[1].achieved <= 4096 and points[1].solver == "ilp"
+    table = (tmp_path / "pareto.md").read_text()
+    assert "| 4.00 KiB | 4.00 KiB |" in table and (tmp_path / "pareto.png").stat().st_size > 1000
+    assert len((tmp_path / "pareto.csv").read_text().splitlines()) == 4
+
+
+def test_pareto_cli(tmp_path):
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "remat_fx", "pareto", f"{root}/examples/gpt.py:pareto_example",
+                          "--budgets", "0,0.5,1", "--lower", "eager", "--out", str(tmp_path), "--no-progress"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| budget | target | saved |" in out.stdout and "feasible saved bytes" in out.stdout
+    assert (tmp_path / "pareto.md").exists()
+    bad = subprocess.run([sys.executable, "-m", "remat_fx", "pareto", "nothing_here"], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode != 0 and "TARGET must be 'module:function' or 'file.py:function'" in bad.stderr
+
+
+def test_profile_cost_model_respects_the_budget():
+    model, inputs = _mlp()
+    _, want, _, _ = _step(model, inputs, {})
+    _, grads, held, plan = _step(model, inputs, {"memory_budget": 0.4, "cost_model": "profile"})
+    assert held == plan.total_bytes <= plan.budget.target and plan.cost_model.startswith("profile")
+    assert plan.recompute_cost_s > 0
+    _close(grads, want)
