@@ -21,12 +21,15 @@ _DOC = {
     "lower": "'inductor' (default: C++ on CPU, Triton on CUDA) or 'eager' (run the partitioned FX graphs)",
     "memory_budget": "fraction in [0, 1], size ('512MiB', '1.5GB', '50%') or int bytes: saved activation "
                      "bytes allowed (default remat_fx.config.memory_budget, None = no budget)",
+    "peak_budget": "a size ('60MiB') or int bytes: the estimated peak of the step's activations allowed; "
+                   "the fastest plan under it is searched (with memory_budget, within that too)",
     "cost_model": "recompute cost estimate for the budget solver: 'auto' (roofline, pointwise fused under "
                   "Inductor), 'roofline', 'flops' or 'profile' (measured op times)",
     "roofline": "override the device roofline: {'flops_per_s': ..., 'bytes_per_s': ..., 'op_overhead_s': ...}",
     "solver": "'ilp' (exact 0-1 program, HiGHS; default) or 'greedy'",
     "solver_time_limit": "seconds for the ILP before falling back to its best plan so far (default 10)",
     "report": "print the plan of every compiled graph (default False)",
+    "schedule": "move each recomputed node to just before its first backward use (default True)",
 }
 
 
@@ -36,7 +39,9 @@ class BackendOptions:
     recompute: Tuple[str, ...] = ()
     lower: str = "inductor"
     report: bool = False
+    schedule: bool = True
     memory_budget: Optional[Budget] = None
+    peak_budget: Optional[int] = None
     cost_model: str = "auto"
     roofline: Optional[Roofline] = None
     solver: str = "ilp"
@@ -45,8 +50,8 @@ class BackendOptions:
 
     def key(self) -> tuple:
         """What changes the compiled result (for Inductor's cache)."""
-        return (self.save, self.recompute, self.lower, str(self.memory_budget), self.cost_model, self.roofline,
-                self.solver)
+        return (self.save, self.recompute, self.lower, self.schedule, str(self.memory_budget), self.peak_budget,
+                self.cost_model, self.roofline, self.solver)
 
 
 def _valid() -> str:
@@ -69,10 +74,20 @@ def parse_options(options) -> BackendOptions:
     report = options.get("report", False)
     if not isinstance(report, bool):
         raise ValueError(f"backend 'remat': option 'report' must be True or False, got {report!r}")
+    schedule = options.get("schedule", True)
+    if not isinstance(schedule, bool):
+        raise ValueError(f"backend 'remat': option 'schedule' must be True or False, got {schedule!r}")
     try:
         budget = parse_budget(options.get("memory_budget", config.memory_budget), "option 'memory_budget'")
     except ValueError as e:
         raise ValueError(f"backend 'remat': {e}") from None
+    try:
+        peak = parse_budget(options.get("peak_budget"), "option 'peak_budget'")
+    except ValueError as e:
+        raise ValueError(f"backend 'remat': {e}") from None
+    if peak is not None and peak.nbytes is None:
+        raise ValueError(f"backend 'remat': option 'peak_budget' must be a size ('60MiB') or int bytes, got "
+                         f"{options['peak_budget']!r} (a fraction of what? sizes only)")
     cost_model = options.get("cost_model", config.cost_model)
     if cost_model not in COST_MODELS:
         raise ValueError(f"backend 'remat': option 'cost_model' must be one of {list(COST_MODELS)}, got {cost_model!r}")
@@ -86,5 +101,6 @@ def parse_options(options) -> BackendOptions:
                          f"got {limit!r}")
     globs = NameGlobs(save=options.get("save"), recompute=options.get("recompute"))
     return BackendOptions(save=globs.save, recompute=globs.recompute, lower=lower, report=report,
-                          memory_budget=budget, cost_model=cost_model, roofline=roofline, solver=solver,
+                          schedule=schedule, memory_budget=budget, peak_budget=None if peak is None else peak.nbytes,
+                          cost_model=cost_model, roofline=roofline, solver=solver,
                           solver_time_limit=float(limit), globs=globs)

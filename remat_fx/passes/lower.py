@@ -14,7 +14,6 @@ import pathlib
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from remat_fx.options import BackendOptions
@@ -42,7 +41,16 @@ class RematPartitioner(CustomPartitionerFn):
 
 
 def _run_eagerly(gm, example_inputs):
-    return make_boxed_func(gm.forward)
+    """Run the FX graph op by op, taking its inputs as a boxed list it clears after unpacking, so
+    each input (a saved activation, in backward) is freed after its last use, as Inductor's code does."""
+    gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+    gm.recompile()
+
+    def run(args):
+        return gm.forward(args)
+
+    run._boxed_call = True
+    return run
 
 
 def lower(gm, example_inputs, options: BackendOptions):

@@ -21,9 +21,12 @@ from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
 from remat_fx.options import BackendOptions
 from remat_fx.passes.budget import apply_budget, budgets_of
+from remat_fx.passes.peak import fit_peak
 from remat_fx.passes.capture import is_random, read_joint
 from remat_fx.passes.cost import CostModel, node_device
+from remat_fx.passes.peak import estimate as estimate_peak
 from remat_fx.passes.plan import build_plan, record
+from remat_fx.passes.schedule import schedule_recompute
 from remat_fx.passes.tag import tag_joint
 
 _ORIGINAL = "remat_fx.original_recompute"
@@ -60,26 +63,57 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             joint_gm, joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_indices=static_lifetime_input_indices, **kwargs)
 
+    def finish(fw, bw, plan):
+        if options.schedule:
+            plan.moved_just_in_time = schedule_recompute(bw, set(plan.recomputed_fx))
+        plan.peak = estimate_peak(fw, bw, num_fwd_outputs)
+        return fw, bw, plan
+
     # our budget, not PyTorch's (its global knob would otherwise re-decide the min-cut's plan)
     with torch._functorch.config.patch(activation_memory_budget=1.0, cse=False), _rng_ops_that_draw():
-        fw, bw = min_cut()
-        plan = build_plan(joint, tags, fw, bw, num_fwd_outputs, params, options.lower, cost)
+        fw0, bw0 = min_cut()
+        plan0 = build_plan(joint, tags, fw0, bw0, num_fwd_outputs, params, options.lower, cost)
         budgets = budgets_of(joint, options)
-        if budgets:
-            tags, report = apply_budget(joint, tags, plan, budgets, params, cost, options)
-            if report.solver != "none":
+
+        def cut(budgets):
+            """(fw, bw, plan, tags) meeting ``budgets`` ({} = the plan without a budget)."""
+            if not budgets:
+                _write_tags(joint_gm, tags)
+                return (*finish(fw0, bw0, plan0), tags)
+            new_tags, report = apply_budget(joint, tags, plan0, budgets, params, cost, options)
+            if report.solver == "none":
+                _write_tags(joint_gm, tags)
+                fw, bw, plan = fw0, bw0, plan0
+            else:
                 fw, bw = min_cut()
-                plan = build_plan(joint, tags, fw, bw, num_fwd_outputs, params, options.lower, cost)
+                plan = build_plan(joint, new_tags, fw, bw, num_fwd_outputs, params, options.lower, cost)
             report.achieved = plan.total_bytes
             report.estimated_cost_s = plan.recompute_cost_s
             _check_achieved(report, plan, joint, params)
             plan.budget = report
+            return (*finish(fw, bw, plan), new_tags)
+
+        if options.peak_budget is None:
+            fw, bw, plan, tags = cut(budgets)
+        else:
+            fw, bw, plan, tags = fit_peak(cut, budgets, options.peak_budget)
     check_follows_tags(joint.names, tags, bw)
     plan.partition_seconds = time.perf_counter() - t0
     record(plan)
     if options.report:
         print(plan)
     return fw, bw
+
+
+def _write_tags(gm: fx.GraphModule, tags) -> None:
+    for node in gm.graph.nodes:
+        original = node.meta.get(_ORIGINAL)
+        if original is None:
+            node.meta.pop("recompute", None)
+        else:
+            node.meta["recompute"] = original
+    for node, tag in tags.items():
+        node.meta["recompute"] = tag.policy
 
 
 @contextlib.contextmanager

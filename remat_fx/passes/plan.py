@@ -19,6 +19,7 @@ from remat_fx.memory_budget import fmt_bytes
 from remat_fx.naming import META_KIND, META_NAME
 from remat_fx.passes.capture import JointGraph, op_name, storage_base
 from remat_fx.passes.cost import concrete, flops
+from remat_fx.passes.peak import PeakEstimate
 from remat_fx.passes.tag import Tag
 
 
@@ -69,6 +70,10 @@ class Plan:
     forward_flops: int = 0
     backward_flops: int = 0  # including the recompute
     partition_seconds: float = 0.0  # capture, tags, budget solve and min-cut
+    peak: Optional["PeakEstimate"] = None  # static estimate of the step's activation peak (passes/peak.py)
+    peak_budget: Optional[int] = None  # the option, when given
+    peak_evaluations: int = 0  # plans the peak search estimated
+    moved_just_in_time: int = 0  # recomputed nodes the schedule pass moved later
 
     @property
     def total_flops(self) -> int:
@@ -90,6 +95,11 @@ class Plan:
         lines = [f"remat plan ({self.lower} lowering): {len(self.saved)} saved for backward, "
                  f"{self.total_bytes:,} bytes; recompute {self.recompute_flops:,} FLOPs "
                  f"({len(self.recomputed)} forward nodes rerun in backward, est. {self.recompute_cost_s * 1e3:.3f} ms)"]
+        if self.peak is not None:
+            cap = "" if self.peak_budget is None else (f", peak_budget {fmt_bytes(self.peak_budget)} "
+                                                       f"({self.peak_evaluations} plans estimated)")
+            lines.append(f"  estimated step peak {fmt_bytes(self.peak.step)} (forward {fmt_bytes(self.peak.forward)}, "
+                         f"backward {fmt_bytes(self.peak.backward)}){cap}")
         if self.budget is not None:
             lines.append(f"  {self.budget}")
             for name, region in self.budget.regions.items():

@@ -1,0 +1,172 @@
+"""Peak: a static estimate of one training step's activation peak, by liveness simulation.
+
+Sizes come from the fake tensors on the nodes. A storage is allocated by the node that makes it
+(views share their base's) and freed after its last use; graph outputs live to the end of their
+graph. Graph inputs of the forward (parameters, the batch) exist before the step and are not
+counted; the backward starts from what the forward saved (less those inputs) and its tangents,
+and frees each saved tensor after its last use (both lowerings clear the boxed argument list).
+The step's incremental peak is the larger of the forward's and the backward's (the forward's
+other outputs, like the loss, held through the backward).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Dict, Iterable, Set
+
+import torch
+import torch.fx as fx
+
+from remat_fx.passes.capture import storage_base
+from remat_fx.passes.cost import concrete
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    forward: int  # bytes above the step's start, at the forward's peak
+    backward: int  # at the backward's peak (what the forward left included)
+    saved: int  # what the forward leaves for the backward (not counting its own inputs)
+
+    @property
+    def step(self) -> int:
+        return max(self.forward, self.backward)
+
+
+def _storage_bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return concrete(val.untyped_storage().nbytes())
+
+
+def _base(node: fx.Node) -> fx.Node:
+    return storage_base(node)
+
+
+def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None) -> tuple:
+    """(peak bytes, bytes live at the end) of running ``gm`` op by op; placeholders named in
+    ``counted_inputs`` are live from the start (and freed after their last use), others are free.
+    ``shared`` maps placeholder names to a storage key: placeholders that are views of one storage
+    (saved views of one forward tensor) count once, until the last use of any of them."""
+    counted, shared = set(counted_inputs), shared or {}
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes)
+
+    def key(node: fx.Node):
+        base = _base(node)
+        return shared.get(base.name, base) if base.op == "placeholder" else base
+
+    last: Dict[object, int] = {}  # storage key -> index of its last use
+    first: Dict[object, fx.Node] = {}  # storage key -> the node that holds its size
+    output = nodes[-1]
+    outputs: Set[object] = set()
+    fx.node.map_arg(output.args, lambda n: outputs.add(key(n)))
+    for node in nodes:
+        if node.op == "output":
+            continue
+        k = key(node)
+        first.setdefault(k, _base(node))
+        uses = [index[node]] + [index[u] for u in node.users if u.op != "output"]
+        last[k] = max(last.get(k, 0), *uses)
+    for k in outputs:
+        last[k] = end
+    events = [0] * (end + 2)
+    final = 0
+    for k, stop in last.items():
+        base = first[k]
+        if base.op == "placeholder" and base.name not in counted:
+            continue
+        if base.op == "call_function" and isinstance(base.meta.get("val"), (tuple, list)):
+            continue  # a tuple: its getitems carry the storages
+        nbytes = _storage_bytes(base)
+        if base.target is operator.getitem:  # allocated with its (tuple-returning) producer
+            start = index[base.args[0]]
+        else:
+            start = 0 if base.op == "placeholder" else index[base]
+        events[start] += nbytes
+        events[stop + 1] -= nbytes  # alive while its last user runs
+        if k in outputs:
+            final += nbytes
+    live = peak = 0
+    for i in range(end + 1):
+        live += events[i]
+        peak = max(peak, live)
+    return peak, final
+
+
+def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> PeakEstimate:
+    fw_out = next(n for n in reversed(fw.graph.nodes) if n.op == "output").args[0]
+    saved = [n for n in fw_out[num_fwd_outputs:] if isinstance(n, fx.Node)]
+    held = {n.name for n in saved if _base(n).op != "placeholder"}
+    shared = {n.name: _base(n).name for n in saved}  # bw placeholders keep the saved nodes' names
+    fw_peak, _ = simulate(fw)
+    user_outputs = {_base(n) for n in fw_out[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    saved_bases = {_base(n) for n in saved if _base(n).op != "placeholder"}
+    others = sum(_storage_bytes(b) for b in user_outputs - saved_bases if b.op != "placeholder")
+    tangents = {n.name for n in bw.graph.nodes if n.op == "placeholder" and str(n.target).startswith("tangents")}
+    bw_peak, _ = simulate(bw, held | tangents, shared)
+    return PeakEstimate(forward=fw_peak, backward=others + bw_peak,
+                        saved=sum(_storage_bytes(b) for b in saved_bases))
+
+
+class PeakInfeasible(ValueError):
+    pass
+
+
+_GRID = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05, 0.0)
+
+
+def fit_peak(cut, budgets, cap: int):
+    """The fastest plan whose estimated step peak is at most ``cap`` bytes: saved-bytes targets are
+    tried from the largest allowed down a grid (the peak falls with them until too little is saved to
+    cut the recompute chains, then rises), then bisected between the last plan over the cap and the
+    first under it. ``cut(budgets)`` returns (fw, bw, plan, tags)."""
+    from remat_fx.memory_budget import Budget, fmt_bytes
+
+    first = cut(budgets)
+    if first[2].peak.step <= cap:
+        return _mark(first, cap, 1)
+    regions = {k: v for k, v in budgets.items() if k is not None}
+    probe = cut({**regions, None: Budget(fraction=0.0)})
+    lo, top = probe[2].budget.minimum, probe[2].budget.maximum
+    if None in budgets:
+        top = min(top, budgets[None].target(lo, top))
+    tried = [(first[2].total_bytes, first)]
+    evaluations, above, found = 2, top, None
+    for f in _GRID[1:]:
+        target = lo + int((top - lo) * f)
+        result = cut({**regions, None: Budget(nbytes=target)})
+        evaluations += 1
+        tried.append((target, result))
+        if result[2].peak.step <= cap:
+            found = (target, result)
+            break
+        above = target
+    if found is None:
+        best_target, best = min(tried, key=lambda t: t[1][2].peak.step)
+        raise PeakInfeasible(
+            f"remat_fx: peak_budget {fmt_bytes(cap)} ({cap:,} bytes) is below every estimated step peak found: "
+            f"the lowest is {fmt_bytes(best[2].peak.step)} ({best[2].peak.step:,} bytes), saving "
+            f"{fmt_bytes(best[2].total_bytes)} for backward (feasible saved bytes {fmt_bytes(lo)} .. "
+            f"{fmt_bytes(top)}). Raise peak_budget to at least {best[2].peak.step:,} bytes, or shrink the step "
+            f"(batch, sequence length).")
+    good_target, good = found
+    for _ in range(4):  # bisect towards more saved bytes (less recompute) while under the cap
+        mid = (good_target + above) // 2
+        if mid <= good_target or mid >= above:
+            break
+        result = cut({**regions, None: Budget(nbytes=mid)})
+        evaluations += 1
+        if result[2].peak.step <= cap:
+            good_target, good = mid, result
+        else:
+            above = mid
+    return _mark(good, cap, evaluations)
+
+
+def _mark(result, cap, evaluations):
+    plan = result[2]
+    plan.peak_budget = cap
+    plan.peak_evaluations = evaluations
+    return result
