@@ -55,7 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import remat_fx as remat  # noqa: E402
 from benchmarks.memory import SavedTensorBytes, fmt_bytes, held_after  # noqa: E402
-from benchmarks.timing import add_model_args, interleaved_step_times, write_report  # noqa: E402
+from benchmarks.timing import (add_budget_args, add_model_args, floats, interleaved_step_times,  # noqa: E402
+                               parse_budget_args, write_report)
 from examples import gpt as example_gpt  # noqa: E402
 from remat_fx.passes.capture import decompositions  # noqa: E402
 from remat_fx.passes.cost import flops  # noqa: E402
@@ -351,26 +352,17 @@ def plot(rows: List[dict], args, path: Path) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="gpt,hf")
-    p.add_argument("--budgets", default=",".join(f"{0.1 * i:.1f}" for i in range(11)))
-    p.add_argument("--lowerings", default="inductor,eager")
+    add_budget_args(p, ",".join(f"{0.1 * i:.1f}" for i in range(11)))
     p.add_argument("--dropout-budgets", default="0,0.5")
     add_model_args(p, steps=5)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "pareto.md")
-    args = p.parse_args(argv)
-    args.budgets = [float(b) for b in args.budgets.split(",")]
-    args.lowerings = [x.strip() for x in args.lowerings.split(",") if x.strip()]
-    args.dropout_budgets = [float(b) for b in args.dropout_budgets.split(",") if b.strip()]
+    args = parse_budget_args(p, argv)
+    args.dropout_budgets = floats(args.dropout_budgets)
     return args
 
 
 def main(argv=None) -> str:
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    # every variant is a fresh model through the same forward code: one Dynamo cache entry each
-    torch._dynamo.config.recompile_limit = torch._dynamo.config.cache_size_limit = 10_000
-    torch._dynamo.config.accumulated_recompile_limit = torch._dynamo.config.accumulated_cache_size_limit = 100_000
     cmd = " ".join(["python benchmarks/pareto.py", *(sys.argv[1:] if argv is None else argv)])
     rows, drops = [], []
     for key in [k.strip() for k in args.models.split(",") if k.strip()]:

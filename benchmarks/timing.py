@@ -53,3 +53,37 @@ def add_model_args(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: PyTorch's)")
     p.add_argument("--skip-time", action="store_true")
+
+
+def add_budget_args(p: argparse.ArgumentParser, budgets: str) -> None:
+    """The flags the budget benchmarks share (pareto.py, peak.py)."""
+    p.add_argument("--models", default="gpt,hf", help="comma list of: gpt (example GPT), hf (transformers GPT-2)")
+    p.add_argument("--budgets", default=budgets, help="comma list of memory budget fractions")
+    p.add_argument("--lowerings", default="inductor,eager")
+
+
+def parse_budget_args(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """Parse, with --budgets/--lowerings as lists; set the threads and lift the recompile limits."""
+    args = p.parse_args(argv)
+    args.budgets = floats(args.budgets)
+    args.lowerings = [x.strip() for x in args.lowerings.split(",") if x.strip()]
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    unlimited_recompiles()
+    return args
+
+
+def floats(text: str) -> List[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def unlimited_recompiles() -> None:
+    """Every benchmark variant is a fresh model through the same forward code: one Dynamo cache
+    entry each, far past the default recompile limit."""
+    import torch
+
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = cfg.cache_size_limit = 10_000
+    cfg.accumulated_recompile_limit = cfg.accumulated_cache_size_limit = 100_000

@@ -37,6 +37,7 @@ class ParetoPoint:
     recompute_flops: int
     total_flops: int  # forward + backward (with the recompute), per step
     est_recompute_ms: float
+    est_peak: int  # the static estimate of the step's activation peak (bytes), summed over graphs
     solver: str
     solve_ms: float
 
@@ -54,7 +55,7 @@ def pareto(model_or_fn, example_inputs: Sequence, budgets: Sequence = DEFAULT_BU
     bar = _Progress(len(budgets) * len(graphs), enabled=progress)
     for b in budgets:
         parsed = parse_options({**options, "memory_budget": b})
-        point = ParetoPoint(str(parse_budget(b)), 0, 0, 0, 0, 0, 0, 0.0, "", 0.0)
+        point = ParetoPoint(str(parse_budget(b)), 0, 0, 0, 0, 0, 0, 0.0, 0, "", 0.0)
         solvers = set()
         for gm, joint_inputs, kwargs in graphs:
             bar.step(f"budget {b}")
@@ -69,6 +70,7 @@ def pareto(model_or_fn, example_inputs: Sequence, budgets: Sequence = DEFAULT_BU
             point.recompute_flops += plan.recompute_flops
             point.total_flops += plan.total_flops
             point.est_recompute_ms += plan.recompute_cost_s * 1e3
+            point.est_peak += plan.peak.step
             point.solve_ms += rep.solve_seconds * 1e3
             solvers.add(rep.solver)
         point.solver = "+".join(sorted(solvers))
@@ -119,10 +121,11 @@ class _Progress:
 
 
 def table(points: List[ParetoPoint]) -> str:
-    head = ("| budget | target | saved | recompute GFLOP | total GFLOP/step | est. recompute ms | solver | solve ms |\n"
-            "|---|---|---|---|---|---|---|---|")
-    rows = [f"| {p.budget} | {fmt_bytes(p.target)} | {fmt_bytes(p.achieved)} | {p.recompute_flops / 1e9:.3f} | "
-            f"{p.total_flops / 1e9:.3f} | {p.est_recompute_ms:.3f} | {p.solver} | {p.solve_ms:.0f} |" for p in points]
+    head = ("| budget | target | saved | est. step peak | recompute GFLOP | total GFLOP/step | est. recompute ms | "
+            "solver | solve ms |\n|---|---|---|---|---|---|---|---|---|")
+    rows = [f"| {p.budget} | {fmt_bytes(p.target)} | {fmt_bytes(p.achieved)} | {fmt_bytes(p.est_peak)} | "
+            f"{p.recompute_flops / 1e9:.3f} | {p.total_flops / 1e9:.3f} | {p.est_recompute_ms:.3f} | {p.solver} | "
+            f"{p.solve_ms:.0f} |" for p in points]
     if points:
         rows.append(f"\nfeasible saved bytes: {fmt_bytes(points[0].minimum)} .. {fmt_bytes(points[0].maximum)}")
     return "\n".join([head, *rows])

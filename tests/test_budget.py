@@ -382,7 +382,7 @@ def test_pareto_writes_table_csv_plot(tmp_path):
     assert points[0].achieved == points[0].minimum < points[2].achieved == points[2].maximum
     assert points[1].achieved <= 4096 and points[1].solver == "ilp"
     table = (tmp_path / "pareto.md").read_text()
-    assert "| 4.00 KiB | 4.00 KiB |" in table and (tmp_path / "pareto.png").stat().st_size > 1000
+    assert "| 4.00 KiB | 4.00 KiB | " in table and all(p.est_peak > p.achieved for p in points) and (tmp_path / "pareto.png").stat().st_size > 1000
     assert len((tmp_path / "pareto.csv").read_text().splitlines()) == 4
 
 
