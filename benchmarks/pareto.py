@@ -365,10 +365,16 @@ def main(argv=None) -> str:
     args = parse_args(argv)
     cmd = " ".join(["python benchmarks/pareto.py", *(sys.argv[1:] if argv is None else argv)])
     rows, drops = [], []
+    text = ""
     for key in [k.strip() for k in args.models.split(",") if k.strip()]:
         rows += measure(key, args)
         if args.dropout_budgets:
             drops += dropout_errors(key, args)
+        text = report(rows, drops, args, cmd)  # after each model, so a long run leaves what it has
+    return text
+
+
+def report(rows, drops, args, cmd) -> str:
     out = ["# Memory budget: PyTorch activation_memory_budget vs backend=\"remat\" (CPU)", "",
            f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {platform.machine()}; command: `{cmd}`; "
            f"layers {args.layers}, d_model {args.d_model}, heads {args.heads}, seq {args.seq}, vocab {args.vocab}, "
