@@ -300,8 +300,8 @@ def compare(rows: List[dict], key: str, lower: str) -> List[str]:
             time_ratios.append((t["budget"], fastest["budget"], fastest["time_x"] / t["time_x"]))
     if flop_ratios:
         worst = max(flop_ratios, key=lambda x: x[2])
-        lines.append(f"- {lower} lowering, FLOPs: for each PyTorch point, remat's fewest FLOPs (any run) at equal or lower saved "
-                     f"bytes / PyTorch's: max {worst[2]:.4f} (PyTorch budget {worst[0]:g} vs remat {worst[1]:g}), "
+        lines.append(f"- {lower} lowering, FLOPs: for each PyTorch point, remat's fewest FLOPs (any run) at equal or "
+                     f"lower saved bytes / PyTorch's: max {worst[2]:.4f} (PyTorch budget {worst[0]:g} vs remat {worst[1]:g}), "
                      f"median {statistics.median(x[2] for x in flop_ratios):.4f}")
     if time_ratios:
         lines.append(f"- {lower} lowering, step time: remat's fastest at equal or lower saved bytes / PyTorch's: "

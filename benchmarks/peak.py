@@ -188,7 +188,8 @@ def plot(rows: List[dict], args, path: Path) -> None:
                     ax2.plot([r["time_x"] for r in pts], [r["peak"] / 2**20 for r in pts], style, label=label)
             caps = [r for r in rows if r["model"] == key and r["lower"] == lower and r["system"] == "remat_peak"]
             if caps and "time_x" in caps[0]:
-                ax2.plot([r["time_x"] for r in caps], [r["peak"] / 2**20 for r in caps], "^", label=f"remat peak_budget ({lower})")
+                ax2.plot([r["time_x"] for r in caps], [r["peak"] / 2**20 for r in caps], "^",
+                         label=f"remat peak_budget ({lower})")
         for r in rows:
             if r["model"] == key and r["system"] in ("eager", "eager_ckpt"):
                 ax.axhline(r["peak"] / 2**20, ls=":", color="gray" if r["system"] == "eager" else "black",

@@ -65,8 +65,8 @@ def main(argv=None) -> int:
     points = pareto(model, inputs, budgets, options={"lower": args.lower, "cost_model": args.cost_model},
                     out=args.out, progress=not args.no_progress)
     print(table(points))
-    print(f"wrote {args.out}/pareto.md, pareto.csv" + (", pareto.png" if (pathlib.Path(args.out) / "pareto.png").exists()
-                                                        else ""))
+    plot = (pathlib.Path(args.out) / "pareto.png").exists()
+    print(f"wrote {args.out}/pareto.md, pareto.csv" + (", pareto.png" if plot else ""))
     return 0
 
 

@@ -50,8 +50,8 @@ class BackendOptions:
 
     def key(self) -> tuple:
         """What changes the compiled result (for Inductor's cache)."""
-        return (self.save, self.recompute, self.lower, self.schedule, str(self.memory_budget), self.peak_budget,
-                self.cost_model, self.roofline, self.solver)
+        return (self.save, self.recompute, self.lower, self.schedule, repr(self.memory_budget), self.peak_budget,
+                self.cost_model, self.roofline, self.solver, self.solver_time_limit)
 
 
 def _valid() -> str:

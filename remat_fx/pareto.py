@@ -46,6 +46,8 @@ def pareto(model_or_fn, example_inputs: Sequence, budgets: Sequence = DEFAULT_BU
            out=None, progress: bool = True) -> List[ParetoPoint]:
     """Saved bytes and recompute cost of the ``remat`` plan at each budget (see module doc)."""
     budgets = list(budgets)
+    if not budgets or any(b is None for b in budgets):
+        raise ValueError(f"remat_fx.pareto: budgets must be a non-empty list of fractions or sizes, got {budgets!r}")
     for b in budgets:
         parse_budget(b)  # every budget checked before the compile
     options = dict(options or {})

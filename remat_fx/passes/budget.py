@@ -67,6 +67,7 @@ class Solution:
 
 
 _REST = "<outside budgeted regions>"
+_LAST_STATUS: Dict[str, bool] = {}  # whether the last 0-1 program was proven infeasible
 
 
 class BudgetInfeasible(ValueError):
@@ -109,6 +110,8 @@ def solve(problem: Problem, target: Optional[int], group_targets: Dict[str, int]
             return Solution(saved, recomputed, problem.bytes_of(saved),
                             _cost(problem, recomputed), "ilp" if found[1] == 0 else "ilp (time limit, best found)",
                             time.perf_counter() - t0)
+    if method == "ilp" and _LAST_STATUS.get("infeasible"):
+        raise BudgetInfeasible(_together(problem, target, group_targets))
     saved, recomputed = _greedy(problem, target, group_targets, time_limit)
     return Solution(saved, recomputed, problem.bytes_of(saved), _cost(problem, recomputed),
                     "greedy",
@@ -118,6 +121,11 @@ def solve(problem: Problem, target: Optional[int], group_targets: Dict[str, int]
 def minimum(problem: Problem, group: Optional[str] = None, time_limit: float = 10.0) -> Tuple[int, Set[str]]:
     """The fewest saved bytes of any valid plan (in ``group``'s storages, when given)."""
     found = _milp(problem, None, {}, objective=("bytes", group), time_limit=time_limit)
+    if found is None and closure(problem, set()) is None:
+        blocked = sorted(v for v in problem.needed if v not in problem.can_save and v not in problem.can_recompute)
+        raise BudgetInfeasible(f"remat_fx: no plan meets a memory budget here: backward reads {blocked[:5]}, which "
+                               f"can be neither saved nor recomputed (a tuple-returning op tagged MUST_SAVE?). Tag "
+                               f"its outputs instead, or drop the budget.")
     if found is None:  # no answer in time: everything recomputable recomputed is valid and near it
         saved, _ = closure(problem, set())
     else:
@@ -196,6 +204,7 @@ def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), 
     res = milp(c, constraints=[LinearConstraint(A_, lo, hi)], integrality=np.ones(nvar),
                bounds=Bounds(lower, upper),
                options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "presolve": True})
+    _LAST_STATUS["infeasible"] = res.status == 2
     if res.x is None or res.status not in (0, 1):
         return None
     x = np.round(res.x)
@@ -203,12 +212,20 @@ def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), 
     return saved, res.status
 
 
+def _together(problem: Problem, target, group_targets) -> str:
+    parts = ([f"at most {fmt_bytes(target)} in all"] if target is not None else []) + [
+        f"at most {fmt_bytes(t)} in {'the rest of the graph' if g == _REST else repr(g)}"
+        for g, t in group_targets.items()]
+    return (f"remat_fx: the memory budgets cannot all be met at once ({'; '.join(parts)}): each is feasible alone, "
+            f"but the plans that meet one keep too much for another. Raise one of them.")
+
+
 def _greedy(problem: Problem, target, group_targets, time_limit) -> Tuple[Set[str], Set[str]]:
     """Start from the fewest saved bytes (a network LP, fast); save what costs most to recompute
     per byte, while it fits."""
     saved, recomputed = closure(problem, minimum(problem, time_limit=time_limit)[1])
     if not _fits(problem, saved, target, group_targets):
-        return saved, recomputed
+        raise BudgetInfeasible(_together(problem, target, group_targets))
     pinned = {problem.base[v] for v in saved}
 
     def ratio(v):
@@ -347,7 +364,9 @@ def apply_budget(joint: JointGraph, tags, plan, budgets: Dict[Optional[str], Bud
     t0 = time.perf_counter()
     problem, by_id = build_problem(joint, tags, params, cost_model)
     limit = options.solver_time_limit
-    saved_now = {s.fx_name for s in plan.saved} & set(problem.order)
+    nodes = {n.name: n for n in joint.gm.graph.nodes}
+    # what the plan without a budget holds, by storage (it may save views that are not candidates)
+    saved_now = {storage_base(nodes[s.fx_name]).name for s in plan.saved if s.fx_name in nodes} & set(problem.order)
     maximum = plan.total_bytes
     min_bytes, min_saved = minimum(problem, time_limit=limit)
     group_targets: Dict[str, int] = {}
@@ -363,8 +382,7 @@ def apply_budget(joint: JointGraph, tags, plan, budgets: Dict[Optional[str], Bud
             raise _infeasible(f"remat.annotate('{region}', memory_budget={budget})", gtarget, gmin, gsaved,
                               problem, by_id, joint, tags, region)
         regions[region] = BudgetReport(str(budget), gtarget, 0, gmin, gmax, "none", 0.0, 0.0)
-        if gtarget < gmax:
-            group_targets[region] = gtarget
+        group_targets[region] = gtarget  # a row even when it does not bind: freed bytes may not flow in
     budget = budgets.get(None)
     maximum = max(maximum, min_bytes)
     if budget is not None:
@@ -379,7 +397,7 @@ def apply_budget(joint: JointGraph, tags, plan, budgets: Dict[Optional[str], Bud
             inside = set().union(*problem.groups.values())
             problem.groups[_REST] = {problem.base[v] for v in problem.order} - inside
             group_targets[_REST] = problem.bytes_of(saved_now, _REST)
-    if target >= maximum and not group_targets:
+    if target >= maximum and all(regions[r].target >= regions[r].maximum for r in regions):
         report.solve_seconds = time.perf_counter() - t0
         return tags, report  # the plan without a budget fits: keep it
     sol = solve(problem, min(target, maximum), group_targets, method=options.solver, time_limit=limit)
@@ -452,9 +470,13 @@ def _infeasible(what: str, target: int, minimum_bytes: int, saved: Set[str], pro
     for v in saved:
         storages.setdefault(problem.base[v], []).append(v)
     if region is not None:
-        storages = {b: vs for b, vs in storages.items() if b in problem.groups[region]}
+        storages = {b: vs for b, vs in storages.items() if b in problem.groups.get(region, ())}
     biggest = sorted(storages, key=lambda b: -problem.storage_bytes[b])[:5]
-    label = lambda n: f"{joint.names.get(n, n.name)}" + (f" ({n.name})" if joint.names.get(n, n.name) != n.name else "")  # noqa: E731
+
+    def label(n):
+        name = joint.names.get(n, n.name)
+        return name if name == n.name else f"{name} ({n.name})"
+
     lines = []
     for b in biggest:
         if not problem.storage_bytes[b]:

@@ -64,7 +64,8 @@ def module_path(node: fx.Node) -> Optional[str]:
 
 def read_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
     """Forward nodes are those the forward outputs depend on; every other computation is backward
-    (including backward-formula nodes that read only forward values, like a weight's transpose)."""
+    (including backward-formula nodes that read only forward values, like a weight's transpose),
+    except the other outputs of a forward op, which are forward values whoever reads them."""
     joint = JointGraph(gm, num_fwd_outputs)
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     stack = _nodes_in(output.args[0][:num_fwd_outputs])
@@ -75,6 +76,11 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
             continue
         seen.add(node)
         stack.extend(node.all_input_nodes)
+    # the other outputs of a forward op (attention's logsumexp) are forward values too, even when
+    # only the backward reads them
+    for node in list(seen):
+        if node.op == "call_function" and is_multi_output(node):
+            seen.update(u for u in node.users if u.target is operator.getitem)
     _name_handle_ops(gm)
     counts: Counter = Counter()
     for node in gm.graph.nodes:

@@ -85,7 +85,7 @@ def flops(node: fx.Node) -> int:
         return 0
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     try:
-        return int(fn(*args, **kwargs, out_val=node.meta.get("val")))
+        return concrete(fn(*args, **kwargs, out_val=node.meta.get("val")))  # a hint, never a shape guard
     except Exception:  # an op whose formula needs what the fake value lacks: count nothing
         return 0
 

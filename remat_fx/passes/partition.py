@@ -9,6 +9,7 @@ turns the plan into one that fits (passes/budget.py) and the min-cut runs again 
 from __future__ import annotations
 
 import contextlib
+import copy
 import operator
 import time
 from typing import List, Set
@@ -79,11 +80,11 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             """(fw, bw, plan, tags) meeting ``budgets`` ({} = the plan without a budget)."""
             if not budgets:
                 _write_tags(joint_gm, tags)
-                return (*finish(fw0, bw0, plan0), tags)
+                return (*finish(fw0, bw0, copy.copy(plan0)), tags)
             new_tags, report = apply_budget(joint, tags, plan0, budgets, params, cost, options)
             if report.solver == "none":
                 _write_tags(joint_gm, tags)
-                fw, bw, plan = fw0, bw0, plan0
+                fw, bw, plan = fw0, bw0, copy.copy(plan0)  # its own report, the shared plan untouched
             else:
                 fw, bw = min_cut()
                 plan = build_plan(joint, new_tags, fw, bw, num_fwd_outputs, params, options.lower, cost)
