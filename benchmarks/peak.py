@@ -175,19 +175,21 @@ def plot(rows: List[dict], args, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = sorted({r["model"] for r in rows})
-    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
+    timed = any("time_x" in r for r in rows)
+    fig, axes = plt.subplots(2 if timed else 1, len(models), figsize=(6 * len(models), 8 if timed else 4.2),
+                             squeeze=False)
     for j, key in enumerate(models):
-        ax, ax2 = axes[0][j], axes[1][j]
+        ax, ax2 = axes[0][j], (axes[1][j] if timed else None)
         for lower in args.lowerings:
             for system, style in (("torch", "s--"), ("remat", "o-")):
                 pts = sorted((r for r in rows if r["model"] == key and r["lower"] == lower and r["system"] == system),
                              key=lambda r: r["budget"])
                 label = f"{'PyTorch' if system == 'torch' else 'remat'} ({lower})"
                 ax.plot([r["budget"] for r in pts], [r["peak"] / 2**20 for r in pts], style, label=label)
-                if pts and "time_x" in pts[0]:
+                if timed and pts:
                     ax2.plot([r["time_x"] for r in pts], [r["peak"] / 2**20 for r in pts], style, label=label)
             caps = [r for r in rows if r["model"] == key and r["lower"] == lower and r["system"] == "remat_peak"]
-            if caps and "time_x" in caps[0]:
+            if timed and caps:
                 ax2.plot([r["time_x"] for r in caps], [r["peak"] / 2**20 for r in caps], "^",
                          label=f"remat peak_budget ({lower})")
         for r in rows:
@@ -199,6 +201,8 @@ def plot(rows: List[dict], args, path: Path) -> None:
         ax.set_title(f"{key}: peak vs budget")
         ax.legend(fontsize=6)
         ax.grid(alpha=0.3)
+        if not timed:
+            continue
         ax2.set_xlabel("step time / eager")
         ax2.set_ylabel("step peak (MiB)")
         ax2.set_title(f"{key}: peak vs step time")
