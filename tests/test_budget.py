@@ -460,12 +460,12 @@ def test_budgets_that_cannot_hold_together_say_so():
 
 def test_flop_counts_add_no_shape_guards():
     """Plan FLOPs read the example's sizes as hints: dynamic shapes compile once."""
-    from remat_fx.passes.plan import _PLANS
-
     model, _ = _mlp()
-    f = torch.compile(model, backend="remat", options={"lower": "eager"}, dynamic=True)
     torch._dynamo.reset()
-    before = len(_PLANS)
+    before = remat.last_plan()
+    f = torch.compile(model, backend="remat", options={"lower": "eager"}, dynamic=True)
+    plans = []
     for batch in (16, 24, 40):
         f(torch.randn(batch, 32, requires_grad=True)).backward()
-    assert len(_PLANS) - before == 1
+        plans.append(remat.last_plan())
+    assert plans[0] is not before and plans[0] is plans[1] is plans[2]
