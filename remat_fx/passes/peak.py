@@ -136,8 +136,11 @@ def fit_peak(cut, budgets, cap: int):
     evaluations, above, found = 2, top, None
     for f in _GRID[1:]:
         target = lo + int((top - lo) * f)
-        result = cut({**regions, None: Budget(nbytes=target)})
-        evaluations += 1
+        if f == 0.0:
+            result = probe  # the fewest saved bytes: already cut
+        else:
+            result = cut({**regions, None: Budget(nbytes=target)})
+            evaluations += 1
         tried.append((target, result))
         if result[2].peak.step <= cap:
             found = (target, result)
