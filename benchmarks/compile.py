@@ -65,7 +65,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import remat_fx as remat  # noqa: E402
-from benchmarks.memory import SavedTensorBytes, fmt_bytes, held_after  # noqa: E402
+from benchmarks.memory import fmt_bytes, measure_heap, measure_hooks  # noqa: E402
 from benchmarks.timing import add_model_args, interleaved_step_times, write_report  # noqa: E402
 from examples import gpt as example_gpt  # noqa: E402
 
@@ -235,30 +235,6 @@ def run_step(model, step):
     loss = step()
     loss.backward()
     return loss.detach()
-
-
-def measure_heap(model, step) -> int:
-    """mallinfo2 bytes the forward leaves allocated (gc before both readings); then backward."""
-    model.zero_grad(set_to_none=True)
-    loss, heap = held_after(step)
-    loss.backward()
-    del loss
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    return heap
-
-
-def measure_hooks(model, step) -> int:
-    """Unique non-parameter storages packed by saved_tensors_hooks during the forward."""
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    with SavedTensorBytes(exclude=model.parameters()) as seen:
-        loss = step()
-    loss.backward()
-    del loss
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    return seen.total_bytes
 
 
 def _sdpa_flops(evt) -> int:

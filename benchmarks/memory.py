@@ -146,3 +146,27 @@ def step_peak_bytes(step) -> int:
     _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
     totals = [sum(by_category) for by_category in sizes]  # per timestamp, all categories
     return int(max(totals) - totals[0]) if totals else 0
+
+
+def measure_heap(model, step) -> int:
+    """mallinfo2 bytes the forward leaves allocated (gc before both readings); then backward."""
+    model.zero_grad(set_to_none=True)
+    loss, heap = held_after(step)
+    loss.backward()
+    del loss
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    return heap
+
+
+def measure_hooks(model, step) -> int:
+    """Unique non-parameter storages packed by saved_tensors_hooks during the forward."""
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    with SavedTensorBytes(exclude=model.parameters()) as seen:
+        loss = step()
+    loss.backward()
+    del loss
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    return seen.total_bytes

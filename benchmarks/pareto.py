@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import csv
 import functools
-import gc
 import platform
 import statistics
 import sys
@@ -54,7 +53,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import remat_fx as remat  # noqa: E402
-from benchmarks.memory import SavedTensorBytes, fmt_bytes, held_after  # noqa: E402
+from benchmarks.memory import fmt_bytes, measure_heap, measure_hooks  # noqa: E402
 from benchmarks.timing import (add_budget_args, add_model_args, floats, interleaved_step_times,  # noqa: E402
                                parse_budget_args, write_report)
 from examples import gpt as example_gpt  # noqa: E402
@@ -178,21 +177,11 @@ def measure(key: str, args) -> List[dict]:
                     continue
                 compile_s = time.perf_counter() - t0
                 plan = remat.last_plan() if system != "torch" else None
-                model.zero_grad(set_to_none=True)
-                loss, heap = held_after(step)
-                loss.backward()
-                del loss
-                model.zero_grad(set_to_none=True)
-                gc.collect()
-                with SavedTensorBytes(exclude=model.parameters()) as seen:
-                    loss = step()
-                loss.backward()
-                del loss
-                model.zero_grad(set_to_none=True)
+                heap, saved = measure_heap(model, step), measure_hooks(model, step)
                 row = {"model": key, "lower": lower, "system": system, "budget": budget,
-                       "saved": seen.total_bytes, "heap": heap, "compile_s": compile_s}
+                       "saved": saved, "heap": heap, "compile_s": compile_s}
                 if system == "torch":
-                    torch_saved[budget] = seen.total_bytes
+                    torch_saved[budget] = saved
                 if plan is not None:
                     rep = plan.budget
                     row.update(plan_bytes=plan.total_bytes, target=rep.target, minimum=rep.minimum,

@@ -63,13 +63,10 @@ def measure(key: str, args) -> List[dict]:
         if plan is not None:
             row.update(est_peak=plan.peak.step, saved=plan.total_bytes, recompute_gflop=plan.recompute_flops / 1e9)
         rows.append(row)
-        variants[label] = (model, lambda: step_loss(step))
+        variants[label] = (model, step.loss)
         print(f"[{key}] {label:38s} peak {fmt_bytes(peak)}"
               + (f" (estimate {fmt_bytes(plan.peak.step)}, saved {fmt_bytes(plan.total_bytes)})" if plan else ""),
               flush=True)
-
-    def step_loss(step):
-        return step.loss()
 
     class Step:
         def __init__(self, fn):

@@ -67,7 +67,9 @@ class Solution:
 
 
 _REST = "<outside budgeted regions>"
-_LAST_STATUS: Dict[str, bool] = {}  # whether the last 0-1 program was proven infeasible
+
+
+_INFEASIBLE = "infeasible"  # what _milp returns when HiGHS proves there is no plan
 
 
 class BudgetInfeasible(ValueError):
@@ -105,13 +107,13 @@ def solve(problem: Problem, target: Optional[int], group_targets: Dict[str, int]
     t0 = time.perf_counter()
     if method == "ilp":
         found = _milp(problem, target, group_targets, time_limit=time_limit)
+        if found == _INFEASIBLE:
+            raise BudgetInfeasible(_together(problem, target, group_targets))
         if found is not None:
             saved, recomputed = closure(problem, found[0])
             return Solution(saved, recomputed, problem.bytes_of(saved),
                             _cost(problem, recomputed), "ilp" if found[1] == 0 else "ilp (time limit, best found)",
                             time.perf_counter() - t0)
-    if method == "ilp" and _LAST_STATUS.get("infeasible"):
-        raise BudgetInfeasible(_together(problem, target, group_targets))
     saved, recomputed = _greedy(problem, target, group_targets, time_limit)
     return Solution(saved, recomputed, problem.bytes_of(saved), _cost(problem, recomputed),
                     "greedy",
@@ -121,6 +123,8 @@ def solve(problem: Problem, target: Optional[int], group_targets: Dict[str, int]
 def minimum(problem: Problem, group: Optional[str] = None, time_limit: float = 10.0) -> Tuple[int, Set[str]]:
     """The fewest saved bytes of any valid plan (in ``group``'s storages, when given)."""
     found = _milp(problem, None, {}, objective=("bytes", group), time_limit=time_limit)
+    if found == _INFEASIBLE:
+        found = None
     if found is None and closure(problem, set()) is None:
         blocked = sorted(v for v in problem.needed if v not in problem.can_save and v not in problem.can_recompute)
         raise BudgetInfeasible(f"remat_fx: no plan meets a memory budget here: backward reads {blocked[:5]}, which "
@@ -134,6 +138,7 @@ def minimum(problem: Problem, group: Optional[str] = None, time_limit: float = 1
 
 
 def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), time_limit=10.0):
+    """(saved set, HiGHS status) of the best plan found, _INFEASIBLE, or None (nothing in time)."""
     """The 0-1 program in the 'available / recomputed' form: a_v = s_v + r_v. Its rows other than
     the budgets are difference constraints (a network matrix), so the LP relaxation is integral
     but for the budget rows and branch-and-bound closes fast."""
@@ -204,7 +209,8 @@ def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), 
     res = milp(c, constraints=[LinearConstraint(A_, lo, hi)], integrality=np.ones(nvar),
                bounds=Bounds(lower, upper),
                options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "presolve": True})
-    _LAST_STATUS["infeasible"] = res.status == 2
+    if res.status == 2:
+        return _INFEASIBLE
     if res.x is None or res.status not in (0, 1):
         return None
     x = np.round(res.x)

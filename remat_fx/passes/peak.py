@@ -39,10 +39,6 @@ def _storage_bytes(node: fx.Node) -> int:
     return concrete(val.untyped_storage().nbytes())
 
 
-def _base(node: fx.Node) -> fx.Node:
-    return storage_base(node)
-
-
 def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None) -> tuple:
     """(peak bytes, bytes live at the end) of running ``gm`` op by op; placeholders named in
     ``counted_inputs`` are live from the start (and freed after their last use), others are free.
@@ -54,7 +50,7 @@ def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dic
     end = len(nodes)
 
     def key(node: fx.Node):
-        base = _base(node)
+        base = storage_base(node)
         return shared.get(base.name, base) if base.op == "placeholder" else base
 
     last: Dict[object, int] = {}  # storage key -> index of its last use
@@ -66,7 +62,7 @@ def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dic
         if node.op == "output":
             continue
         k = key(node)
-        first.setdefault(k, _base(node))
+        first.setdefault(k, storage_base(node))
         uses = [index[node]] + [index[u] for u in node.users if u.op != "output"]
         last[k] = max(last.get(k, 0), *uses)
     for k in outputs:
@@ -98,11 +94,11 @@ def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dic
 def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> PeakEstimate:
     fw_out = next(n for n in reversed(fw.graph.nodes) if n.op == "output").args[0]
     saved = [n for n in fw_out[num_fwd_outputs:] if isinstance(n, fx.Node)]
-    held = {n.name for n in saved if _base(n).op != "placeholder"}
-    shared = {n.name: _base(n).name for n in saved}  # bw placeholders keep the saved nodes' names
+    held = {n.name for n in saved if storage_base(n).op != "placeholder"}
+    shared = {n.name: storage_base(n).name for n in saved}  # bw placeholders keep the saved nodes' names
     fw_peak, _ = simulate(fw)
-    user_outputs = {_base(n) for n in fw_out[:num_fwd_outputs] if isinstance(n, fx.Node)}
-    saved_bases = {_base(n) for n in saved if _base(n).op != "placeholder"}
+    user_outputs = {storage_base(n) for n in fw_out[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    saved_bases = {storage_base(n) for n in saved if storage_base(n).op != "placeholder"}
     others = sum(_storage_bytes(b) for b in user_outputs - saved_bases if b.op != "placeholder")
     tangents = {n.name for n in bw.graph.nodes if n.op == "placeholder" and str(n.target).startswith("tangents")}
     bw_peak, _ = simulate(bw, held | tangents, shared)
