@@ -30,6 +30,8 @@ _DOC = {
     "solver_time_limit": "seconds for the ILP before falling back to its best plan so far (default 10)",
     "report": "print the plan of every compiled graph (default False)",
     "schedule": "move each recomputed node to just before its first backward use (default True)",
+    "rerun": "recompute a value a second time in backward where holding it would set the step's peak: "
+             "'auto' (default: with a memory_budget or peak_budget), True or False",
 }
 
 
@@ -40,6 +42,7 @@ class BackendOptions:
     lower: str = "inductor"
     report: bool = False
     schedule: bool = True
+    rerun: object = "auto"  # "auto", True or False
     memory_budget: Optional[Budget] = None
     peak_budget: Optional[int] = None
     cost_model: str = "auto"
@@ -50,7 +53,7 @@ class BackendOptions:
 
     def key(self) -> tuple:
         """What changes the compiled result (for Inductor's cache)."""
-        return (self.save, self.recompute, self.lower, self.schedule, repr(self.memory_budget), self.peak_budget,
+        return (self.save, self.recompute, self.lower, self.schedule, self.rerun, repr(self.memory_budget), self.peak_budget,
                 self.cost_model, self.roofline, self.solver, self.solver_time_limit)
 
 
@@ -77,6 +80,9 @@ def parse_options(options) -> BackendOptions:
     schedule = options.get("schedule", True)
     if not isinstance(schedule, bool):
         raise ValueError(f"backend 'remat': option 'schedule' must be True or False, got {schedule!r}")
+    rerun = options.get("rerun", "auto")
+    if rerun not in ("auto", True, False) or (rerun == 1 and not isinstance(rerun, bool)):
+        raise ValueError(f"backend 'remat': option 'rerun' must be 'auto', True or False, got {rerun!r}")
     try:
         budget = parse_budget(options.get("memory_budget", config.memory_budget), "option 'memory_budget'")
     except ValueError as e:
@@ -101,6 +107,6 @@ def parse_options(options) -> BackendOptions:
                          f"got {limit!r}")
     globs = NameGlobs(save=options.get("save"), recompute=options.get("recompute"))
     return BackendOptions(save=globs.save, recompute=globs.recompute, lower=lower, report=report,
-                          schedule=schedule, memory_budget=budget, peak_budget=None if peak is None else peak.nbytes,
+                          schedule=schedule, rerun=rerun, memory_budget=budget, peak_budget=None if peak is None else peak.nbytes,
                           cost_model=cost_model, roofline=roofline, solver=solver,
                           solver_time_limit=float(limit), globs=globs)

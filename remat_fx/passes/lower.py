@@ -53,6 +53,48 @@ def _run_eagerly(gm, example_inputs):
     return run
 
 
+class _KeepRerunsLate:
+    """Inductor's fusion choices, except that a kernel holding a rerun (passes/rerun.py: a value
+    recomputed a second time just before its late use) is not fused into a kernel that runs well
+    before it: a fused kernel runs at its earliest member's place, which would compute the rerun
+    early and hold it, as the first copy was. Everything else is asked of the choices in effect."""
+
+    _NEAR = 8  # scheduler positions: a fusion this close moves nothing far
+
+    def __init__(self, prior):
+        self._prior = prior
+
+    def __getattr__(self, name):
+        return getattr(self._prior, name)
+
+    def can_fuse(self, scheduler, node1, node2, shared_data_score):
+        for late, early in ((node1, node2), (node2, node1)):
+            if late.min_order - early.max_order > self._NEAR and _has_rerun(late):
+                return False
+        return self._prior.can_fuse(scheduler, node1, node2, shared_data_score)
+
+
+def _has_rerun(snode) -> bool:
+    from remat_fx.passes.rerun import RERUN
+
+    for node in snode.get_nodes():
+        ir_node = getattr(node, "node", None)
+        origins = getattr(ir_node, "origins", None) or ()
+        if any(o.meta.get(RERUN) for o in origins):
+            return True
+    return False
+
+
+def _compile_keeping_reruns_late(*args, **kwargs):
+    """Inductor's compile of one graph (forward, or the backward: compiled lazily, at its first
+    call), with the fusion choices of _KeepRerunsLate."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.virtualized import V
+
+    with V.set_choices_handler(_KeepRerunsLate(V.choices)):
+        return compile_fx_inner(*args, **kwargs)
+
+
 def lower(gm, example_inputs, options: BackendOptions):
     if options.lower == "inductor":
         from torch._inductor.compile_fx import compile_fx
@@ -60,7 +102,7 @@ def lower(gm, example_inputs, options: BackendOptions):
         # AOTAutograd's cache would skip our partition on a hit, and with it the Plan:
         # Inductor's own kernel cache still applies
         with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs,
+            return compile_fx(gm, example_inputs, inner_compile=_compile_keeping_reruns_late,
                               config_patches={"custom_partitioner_fn": RematPartitioner(options)})
     backend = aot_autograd(
         fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, decompositions=decompositions(),

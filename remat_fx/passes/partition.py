@@ -25,7 +25,9 @@ from remat_fx.passes.budget import apply_budget, budgets_of
 from remat_fx.passes.peak import fit_peak
 from remat_fx.passes.capture import is_random, read_joint
 from remat_fx.passes.cost import CostModel, node_device
+from remat_fx.passes.peak import backward_inputs, simulate
 from remat_fx.passes.peak import estimate as estimate_peak
+from remat_fx.passes.rerun import rerun_for_peak
 from remat_fx.passes.plan import build_plan, record
 from remat_fx.passes.schedule import schedule_recompute
 from remat_fx.passes.tag import tag_joint
@@ -64,9 +66,11 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             joint_gm, joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_indices=static_lifetime_input_indices, **kwargs)
 
-    def finish(fw, bw, plan):
+    def finish(fw, bw, plan, budgeted):
         if options.schedule:
             plan.moved_just_in_time = schedule_recompute(bw, set(plan.recomputed_fx))
+        if options.rerun is True or (options.rerun == "auto" and budgeted):
+            bw = _rerun(fw, bw, plan, num_fwd_outputs, cost, options.peak_budget)
         plan.peak = estimate_peak(fw, bw, num_fwd_outputs)
         return fw, bw, plan
 
@@ -80,7 +84,7 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             """(fw, bw, plan, tags) meeting ``budgets`` ({} = the plan without a budget)."""
             if not budgets:
                 _write_tags(joint_gm, tags)
-                return (*finish(fw0, bw0, copy.copy(plan0)), tags)
+                return (*finish(fw0, bw0, copy.copy(plan0), options.peak_budget is not None), tags)
             new_tags, report = apply_budget(joint, tags, plan0, budgets, params, cost, options)
             if report.solver == "none":
                 _write_tags(joint_gm, tags)
@@ -92,7 +96,7 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             report.estimated_cost_s = plan.recompute_cost_s
             _check_achieved(report, plan, joint, params)
             plan.budget = report
-            return (*finish(fw, bw, plan), new_tags)
+            return (*finish(fw, bw, plan, True), new_tags)
 
         if options.peak_budget is None:
             fw, bw, plan, tags = cut(budgets)
@@ -104,6 +108,29 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
     if options.report:
         print(plan)
     return fw, bw
+
+
+_INDUCTOR_MIN_GAIN = 0.25
+
+
+def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap):
+    """The backward with values recomputed a second time where that lowers the step's peak."""
+    counted, shared, held, _ = backward_inputs(fw, bw, num_fwd_outputs)
+    step_s = sum(cost(n) for g in (fw, bw) for n in g.graph.nodes if n.op == "call_function")
+    # how much time a rerun may cost per byte of peak follows the budget: at fraction 1 a peak
+    # fraction for the same time fraction, towards 0 (recompute all that can be) the lowest peak
+    weight = 1.0
+    if plan.budget is not None and plan.budget.maximum > 0:
+        weight = min(1.0, max(0.0, plan.budget.target / plan.budget.maximum))
+    # Inductor fuses and inlines what the FX graph materialises: its peaks differ from the FX
+    # liveness by up to ~15% either way (benchmarks/peak.py), so smaller modelled gains are noise
+    min_gain = _INDUCTOR_MIN_GAIN if cost.lower == "inductor" else 0.0
+    bw, report = rerun_for_peak(bw, counted, shared, held, simulate(fw)[0], cost, step_s, cap, weight, min_gain)
+    plan.rerun = report
+    plan.backward_flops += report.flops
+    plan.recompute_flops += report.flops
+    plan.recompute_cost_s += report.cost_s
+    return bw
 
 
 def _write_tags(gm: fx.GraphModule, tags) -> None:

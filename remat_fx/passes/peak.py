@@ -91,19 +91,26 @@ def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dic
     return peak, final
 
 
-def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> PeakEstimate:
+def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int):
+    """(counted, shared, held) for simulating ``bw``: the placeholders live from its start (saved
+    activations, tangents), the saved views sharing one storage, and the bytes of the forward's other
+    outputs held through the backward."""
     fw_out = next(n for n in reversed(fw.graph.nodes) if n.op == "output").args[0]
     saved = [n for n in fw_out[num_fwd_outputs:] if isinstance(n, fx.Node)]
-    held = {n.name for n in saved if storage_base(n).op != "placeholder"}
+    counted = {n.name for n in saved if storage_base(n).op != "placeholder"}
     shared = {n.name: storage_base(n).name for n in saved}  # bw placeholders keep the saved nodes' names
-    fw_peak, _ = simulate(fw)
     user_outputs = {storage_base(n) for n in fw_out[:num_fwd_outputs] if isinstance(n, fx.Node)}
     saved_bases = {storage_base(n) for n in saved if storage_base(n).op != "placeholder"}
-    others = sum(_storage_bytes(b) for b in user_outputs - saved_bases if b.op != "placeholder")
-    tangents = {n.name for n in bw.graph.nodes if n.op == "placeholder" and str(n.target).startswith("tangents")}
-    bw_peak, _ = simulate(bw, held | tangents, shared)
-    return PeakEstimate(forward=fw_peak, backward=others + bw_peak,
-                        saved=sum(_storage_bytes(b) for b in saved_bases))
+    held = sum(_storage_bytes(b) for b in user_outputs - saved_bases if b.op != "placeholder")
+    counted |= {n.name for n in bw.graph.nodes if n.op == "placeholder" and str(n.target).startswith("tangents")}
+    return counted, shared, held, sum(_storage_bytes(b) for b in saved_bases)
+
+
+def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> PeakEstimate:
+    counted, shared, held, saved = backward_inputs(fw, bw, num_fwd_outputs)
+    fw_peak, _ = simulate(fw)
+    bw_peak, _ = simulate(bw, counted, shared)
+    return PeakEstimate(forward=fw_peak, backward=held + bw_peak, saved=saved)
 
 
 class PeakInfeasible(ValueError):

@@ -20,6 +20,7 @@ from remat_fx.naming import META_KIND, META_NAME
 from remat_fx.passes.capture import JointGraph, op_name, storage_base
 from remat_fx.passes.cost import concrete, flops
 from remat_fx.passes.peak import PeakEstimate
+from remat_fx.passes.rerun import RerunReport
 from remat_fx.passes.tag import Tag
 
 
@@ -74,6 +75,7 @@ class Plan:
     peak_budget: Optional[int] = None  # the option, when given
     peak_evaluations: int = 0  # plans the peak search estimated
     moved_just_in_time: int = 0  # recomputed nodes the schedule pass moved later
+    rerun: Optional["RerunReport"] = None  # values recomputed a second time to lower the peak (passes/rerun.py)
 
     @property
     def total_flops(self) -> int:
@@ -100,6 +102,11 @@ class Plan:
                                                        f"({self.peak_evaluations} plans estimated)")
             lines.append(f"  estimated step peak {fmt_bytes(self.peak.step)} (forward {fmt_bytes(self.peak.forward)}, "
                          f"backward {fmt_bytes(self.peak.backward)}){cap}")
+        if self.rerun is not None and self.rerun.reruns:
+            r = self.rerun
+            lines.append(f"  rerun: {r.reruns} values recomputed a second time ({r.nodes} nodes, {r.flops:,} FLOPs, "
+                         f"est. {r.cost_s * 1e3:.3f} ms): estimated peak {fmt_bytes(r.peak_before)} -> "
+                         f"{fmt_bytes(r.peak_after)}")
         if self.budget is not None:
             lines.append(f"  {self.budget}")
             for name, region in self.budget.regions.items():

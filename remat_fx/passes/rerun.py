@@ -1,0 +1,344 @@
+"""Rerun: recompute a value a second time in the backward, when holding it sets the step's peak.
+
+With few bytes saved, the backward recomputes the forward from the graph inputs: to reach the
+last layer's gradients it recomputes every layer, and each layer's values then wait for their
+own gradients, so everything recomputed is alive at once (at budget 0 the peak is no lower than
+without checkpointing). Eager per-block checkpointing avoids this by recomputing each block again
+from its input right before the block's backward.
+
+This pass does the same without knowing the blocks, on the backward graph's liveness (the model
+of passes/peak.py): at the backward's peak it picks a value held there but not used there, whose
+next use comes later, and emits a second copy of it just before that use, together with the
+values it is computed from that are no longer alive then (its closure, stopping at values that
+still are, e.g. a block's input); the later uses read the copy, so the original dies at its last
+earlier use. Candidates are ranked by bytes freed at the peak per second of recompute (the cost
+model's); a rerun is kept only if it lowers the step's estimated peak (or narrows the stretch at
+that peak on the way down), and at the end only the shortest prefix of reruns that reaches the
+lowest peak is kept. It stops when the step's peak is the forward's (the backward can no longer
+set it). Random ops, mutations and anything that reads a tangent are never rerun.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Set
+
+import torch
+import torch.fx as fx
+
+from remat_fx.passes.capture import is_random
+from remat_fx.passes.cost import flops
+
+RERUN = "remat_fx.rerun"
+
+
+@dataclass
+class RerunReport:
+    reruns: int = 0  # values recomputed a second time
+    nodes: int = 0  # nodes emitted again (values and their closures)
+    flops: int = 0  # FLOPs of those nodes
+    cost_s: float = 0.0  # the cost model's estimate of their time
+    peak_before: int = 0  # the step's estimated peak without them
+    peak_after: int = 0
+    seconds: float = 0.0
+    names: List[str] = field(default_factory=list)  # FX names of the values rerun
+
+
+class _Item:
+    """One node of the program being rewritten: ``ins`` maps each input node of ``src`` to the
+    item that provides it (a copy, after a rerun)."""
+
+    __slots__ = ("src", "ins", "copy")
+
+    def __init__(self, src: fx.Node, ins: Dict[fx.Node, "_Item"], copy: bool = False):
+        self.src, self.ins, self.copy = src, ins, copy
+
+
+def _nbytes(node: fx.Node) -> int:
+    from remat_fx.passes.peak import _storage_bytes
+
+    return _storage_bytes(node)
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    if target is operator.getitem:
+        parent = node.args[0]
+        return isinstance(parent.target, torch._ops.OpOverload) and parent.target.is_view
+    return isinstance(target, torch._ops.OpOverload) and target.is_view and bool(node.args) \
+        and isinstance(node.args[0], fx.Node)
+
+
+def _rerunnable(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if is_random(node):  # draws from the RNG (attention with dropout_p=0 does not)
+        return False
+    return not target._schema.is_mutable
+
+
+class _Program:
+    def __init__(self, bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]):
+        self.items: List[_Item] = []
+        made: Dict[fx.Node, _Item] = {}
+        reads_tangent: Set[fx.Node] = set()
+        for node in bw.graph.nodes:
+            item = _Item(node, {m: made[m] for m in node.all_input_nodes})
+            made[node] = item
+            self.items.append(item)
+            if (node.op == "placeholder" and str(node.target).startswith("tangents")) or \
+                    any(m in reads_tangent for m in node.all_input_nodes):
+                reads_tangent.add(node)
+        self.rerunnable = {n for n in made if n not in reads_tangent and _rerunnable(n)}
+        self.counted, self.shared = counted, shared
+        self.bytes = {n: _nbytes(n) for n in made}
+
+    def root(self, item: _Item, memo: dict):
+        found = memo.get(item)
+        if found is not None:
+            return found
+        src = item.src
+        if src.op == "placeholder":
+            key = self.shared.get(src.name, item)
+        elif _is_view(src):
+            key = self.root(item.ins[src.args[0]], memo)
+        else:
+            key = item
+        memo[item] = key
+        return key
+
+    def simulate(self):
+        """Liveness of the program: (live bytes per position, roots, start, last, uses)."""
+        items = self.items
+        memo: dict = {}
+        end = len(items) - 1  # the output
+        start: Dict[object, int] = {}
+        last: Dict[object, int] = {}
+        uses: Dict[object, List[int]] = {}
+        size: Dict[object, int] = {}
+        roots = []
+        for i, item in enumerate(items):
+            r = self.root(item, memo)
+            roots.append(r)
+            if r not in start:
+                src = item.src
+                counts = src.op != "placeholder" or src.name in self.counted
+                tuple_valued = src.op == "call_function" and isinstance(src.meta.get("val"), (tuple, list))
+                size[r] = self.bytes[src] if counts and not tuple_valued else 0
+                if src.target is operator.getitem and src.op == "call_function":
+                    producer = item.ins[src.args[0]]
+                    start[r] = next(j for j in range(i, -1, -1) if items[j] is producer)
+                else:
+                    start[r] = 0 if src.op == "placeholder" else i
+            last[r] = max(last.get(r, i), i)
+            if i == end:
+                for m in item.ins.values():
+                    last[self.root(m, memo)] = end + 1  # outputs live to the end
+                    uses.setdefault(self.root(m, memo), []).append(end)
+                continue
+            for m in set(self.root(m, memo) for m in item.ins.values()):
+                last[m] = max(last[m], i)
+                uses.setdefault(m, []).append(i)
+        events = [0] * (end + 3)
+        for r, s in start.items():
+            if size[r]:
+                events[s] += size[r]
+                events[min(last[r], end) + 1] -= size[r]
+        live, acc = [], 0
+        for i in range(end + 1):
+            acc += events[i]
+            live.append(acc)
+        return live, roots, start, last, uses, size
+
+
+@dataclass
+class _State:
+    peak: int
+    width: int  # positions at the peak
+
+
+def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str], held: int, floor: int,
+                   cost: Callable[[fx.Node], float], step_s: float, cap: Optional[int] = None,
+                   weight: float = 1.0, min_gain: float = 0.0, max_closure: int = 256, tries: int = 6,
+                   patience: int = 40, max_reruns: int = 2000):
+    """(backward graph with the reruns, RerunReport); ``bw`` itself is left as it was. ``counted``/``shared``: as passes/peak.simulate; ``held``: bytes the
+    forward leaves alive beyond the backward's inputs (its other outputs); ``floor``: the forward's
+    peak (the step's peak cannot fall below it); ``step_s``: the cost model's time of the whole step
+    (forward and backward), against which a rerun's time is weighed (to the power ``weight``: 1 trades
+    a fraction of peak for the same fraction of step time, 0 takes the lowest peak found); ``cap``: a
+    peak_budget; ``min_gain``: without a cap, reruns are kept only if they lower the estimated peak by
+    at least this fraction (the estimate's error under the lowering)."""
+    import time
+
+    t0 = time.perf_counter()
+    prog = _Program(bw, counted, shared)
+    report = RerunReport()
+
+    def state():
+        live = prog.simulate()
+        peak = held + max(live[0])
+        step = max(floor, peak)
+        width = sum(1 for v in live[0] if held + v >= step) if peak >= floor else 0
+        return live, _State(step, width)
+
+    sim, cur = state()
+    report.peak_before = report.peak_after = cur.peak
+    history = []  # (items, state, FX name, nodes, seconds so far) after each kept rerun
+    best = (cur.peak, 0)
+    stale, spent = 0, 0.0
+    while len(history) < max_reruns and cur.peak > floor and stale < patience:
+        live, roots, start, last, uses, size = sim
+        t_star = max(range(len(live)), key=lambda i: (live[i], -i))
+        candidates = _candidates(prog, live, roots, start, last, uses, size, t_star, cost, max_closure)
+        taken = None
+        for score, root, plan in candidates[:tries]:
+            before = prog.items
+            prog.items = _apply(prog.items, plan)
+            new_sim, new = state()
+            if (new.peak, new.width) < (cur.peak, cur.width):
+                taken = (root, plan)
+                sim, cur = new_sim, new
+                break
+            prog.items = before
+        if taken is None:
+            break
+        root, plan = taken
+        spent += sum(cost(n) for n in plan["nodes"])
+        history.append((prog.items, cur, root.src.name, plan["nodes"], spent))
+        if cur.peak < best[0]:
+            best, stale = (cur.peak, len(history)), 0
+        else:
+            stale += 1
+    keep = history[:_prefix(history, report.peak_before, step_s, cap, weight, min_gain)]
+    if keep:
+        prog.items = keep[-1][0]
+        report.peak_after = keep[-1][1].peak
+        for _, _, name, nodes, _ in keep:
+            report.reruns += 1
+            report.names.append(name)
+            report.nodes += len(nodes)
+            report.flops += sum(flops(n) for n in nodes)
+            report.cost_s += sum(cost(n) for n in nodes)
+        bw = _materialize(bw, prog.items)
+    report.seconds = time.perf_counter() - t0
+    return bw, report
+
+
+def _prefix(history, peak0: int, step_s: float, cap, weight: float, min_gain: float) -> int:
+    """How many reruns to keep: with a peak cap, the fewest that meet it; otherwise (or when none
+    does) the number minimising estimated peak x (estimated step time ** weight). At weight 1 a rerun
+    stays only while it lowers the peak by a larger fraction than it slows the step; at 0 the lowest
+    peak is kept whatever it costs."""
+    if cap is not None:
+        for k, h in enumerate(history, 1):
+            if h[1].peak <= cap:
+                return k if peak0 > cap else 0
+    scores = [peak0 * step_s ** weight] + [h[1].peak * (step_s + h[4]) ** weight for h in history]
+    k = min(range(len(scores)), key=lambda k: (scores[k], k))
+    return k if k and history[k - 1][1].peak <= (1 - min_gain) * peak0 else 0
+
+
+def _candidates(prog: _Program, live, roots, start, last, uses, size, t_star, cost, max_closure):
+    """(score, root, plan) for values held across ``t_star`` but not used there, best first."""
+    items = prog.items
+    used_here = {roots[i] for i in [t_star]} | {prog.root(m, {}) for m in items[t_star].ins.values()}
+    end = len(items) - 1
+    held = []
+    for r, s in start.items():
+        if size[r] and s < t_star < last[r] <= end and r not in used_here and isinstance(r, _Item) \
+                and r.src in prog.rerunnable:
+            held.append(r)
+    held.sort(key=lambda r: -size[r])
+    index = {id(it): i for i, it in enumerate(items)}
+    out = []
+    for r in held[:32]:
+        later = [i for i in uses.get(r, ()) if i > t_star]
+        if not later or later[-1] >= end:
+            continue
+        u = later[0]
+        late_users = [items[i] for i in sorted(set(later))]
+        need = {m for user in late_users for m in user.ins.values() if roots[index[id(m)]] is r}
+        closure: Dict[_Item, None] = {}
+        stack, extended, ok = list(need), {}, True
+        while stack:
+            item = stack.pop()
+            if item in closure:
+                continue
+            i = index[id(item)]
+            root = roots[i]
+            if root is not r and i < u and last[root] >= u:
+                continue  # alive at u anyway
+            if item.src not in prog.rerunnable:
+                extended[root] = size[root] if start[root] <= t_star and last[root] < t_star else 0
+                continue  # kept alive until u (a saved tensor, a parameter)
+            closure[item] = None
+            if len(closure) > max_closure:
+                ok = False
+                break
+            stack.extend(item.ins.values())
+        if not ok:
+            continue
+        freed = size[r] - sum(extended.values())
+        if freed <= 0:
+            continue
+        nodes = [it.src for it in closure]
+        seconds = sum(cost(n) for n in nodes)
+        order = sorted(closure, key=lambda it: index[id(it)])
+        out.append((freed / (seconds + 1e-9), r, {"closure": order, "need": need, "at": u, "users": late_users,
+                                                  "nodes": nodes}))
+    out.sort(key=lambda c: -c[0])
+    return out
+
+
+def _apply(items: List[_Item], plan) -> List[_Item]:
+    """A new program with the plan's closure copied in before position ``at`` and its later users
+    reading the copies (items are never mutated: the previous program stays valid for undo)."""
+    copies: Dict[_Item, _Item] = {}
+    for item in plan["closure"]:
+        copies[item] = _Item(item.src, {m: copies.get(p, p) for m, p in item.ins.items()}, copy=True)
+    users, need = set(plan["users"]), plan["need"]
+    replaced: Dict[_Item, _Item] = {}
+    out = []
+    for i, item in enumerate(items):
+        if i == plan["at"]:
+            out.extend(copies[c] for c in plan["closure"])
+        ins = {m: (copies[p] if item in users and p in need else replaced.get(p, p)) for m, p in item.ins.items()}
+        if any(ins[m] is not item.ins[m] for m in ins):
+            new = _Item(item.src, ins, item.copy)
+            replaced[item] = new
+            item = new
+        out.append(item)
+    return out
+
+
+def _materialize(bw: fx.GraphModule, items: List[_Item]) -> fx.GraphModule:
+    graph = fx.Graph(owning_module=bw, tracer_cls=bw.graph._tracer_cls)
+    graph._codegen = bw.graph._codegen
+    env: Dict[int, fx.Node] = {}
+    taken = {item.src.name for item in items}
+    count = 0
+    for item in items:
+        src = item.src
+        args, kwargs = fx.node.map_arg((src.args, src.kwargs), lambda m, item=item: env[id(item.ins[m])])
+        name = src.name
+        if item.copy:  # a name no original has (the namespace would otherwise shift theirs)
+            count += 1
+            while f"{src.name}_rerun{count}" in taken:
+                count += 1
+            name = f"{src.name}_rerun{count}"
+        node = graph.create_node(src.op, src.target, args, kwargs, name, src.type)
+        if node.name != name:
+            raise RuntimeError(f"remat_fx: rerun could not keep the name {name!r} ({node.name!r})")
+        node.meta = dict(src.meta)
+        if item.copy:
+            node.meta[RERUN] = True
+        env[id(item)] = node
+    graph.eliminate_dead_code()  # originals of views whose users now read copies
+    graph.lint()
+    return fx.GraphModule(bw, graph)
+
