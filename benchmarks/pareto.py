@@ -10,7 +10,9 @@ Per model, budget and lowering, two systems:
 
   torch  PyTorch's min-cut partitioner with torch._functorch.config.activation_memory_budget = b
          (default knapsack solver "dp", default "flops" runtime estimator)
-  remat  torch.compile(backend="remat", options={"memory_budget": b, "lower": ...})
+  remat  torch.compile(backend="remat", options={"memory_budget": b, "lower": ..., "rerun": False})
+         (rerun=False: the budget solver's plan alone, without the values the default recomputes a
+         second time to lower the step's peak; benchmarks/peak.py measures that trade)
 
 Lowerings: ``inductor`` (torch.compile's Inductor, PyTorch's partitioner plugged in as
 Inductor's custom partitioner for "torch", the same hook remat uses) and ``eager`` (AOTAutograd
@@ -120,11 +122,11 @@ def _eager_fn(gm, _inputs):
     return make_boxed_func(gm.forward)
 
 
-def compile_variant(fn, system: str, lower: str, budget):
+def compile_variant(fn, system: str, lower: str, budget, **options):
     """(compiled fn, probe-or-None); compiles lazily at the first call, which must run inside
-    ``budget_scope``."""
+    ``budget_scope``. ``options``: more remat options."""
     if system == "remat":
-        return torch.compile(fn, backend="remat", options={"memory_budget": budget, "lower": lower},
+        return torch.compile(fn, backend="remat", options={"memory_budget": budget, "lower": lower, **options},
                              fullgraph=True), None
     probe = Probe()
     if lower == "eager":
@@ -164,7 +166,8 @@ def measure(key: str, args) -> List[dict]:
                 # remat@torch: remat with a byte budget equal to what PyTorch saved at this budget
                 value = int(torch_saved[budget]) if system == "remat@torch" else budget
                 model, bind, fn = build_model(key, args)
-                compiled, probe = compile_variant(fn, "torch" if system == "torch" else "remat", lower, value)
+                compiled, probe = compile_variant(fn, "torch" if system == "torch" else "remat", lower, value,
+                                                  **({} if system == "torch" else {"rerun": False}))
                 step = bind(compiled)
                 t0 = time.perf_counter()
                 try:

@@ -2,12 +2,13 @@
 eager per-block torch.utils.checkpoint, PyTorch's activation_memory_budget and remat's
 memory_budget (both lowerings), and remat's peak_budget.
 
-    python benchmarks/peak.py [--models gpt,hf] [--budgets 0,0.2,0.4,0.6,0.8,1] [--lowerings inductor,eager]
-                              [--peak-fractions 0.9,0.7,0.6,0.5,0.45,0.4] [--steps 5]
+    python benchmarks/peak.py [--models gpt,hf] [--budgets 0,0.1,0.2,0.4,0.6,0.8,1] [--lowerings inductor,eager]
+                              [--no-rerun-budgets 0,0.1] [--peak-fractions 0.6,0.5,0.4] [--steps 5]
 
 Peak: torch.profiler's memory timeline around one warmed-up fwd+bwd step, highest point minus the
 first sample (benchmarks/memory.py step_peak_bytes; it sees Inductor's buffers as well as eager
-ops). remat's static estimate (plan.peak) is shown next to it. ``peak_budget`` rows ask remat for
+ops). remat's static estimate (plan.peak) is shown next to it. ``remat (rerun off)`` rows: remat
+with option rerun=False (no value recomputed a second time), at --no-rerun-budgets. ``peak_budget`` rows ask remat for
 the fastest plan whose estimated peak is at most that fraction of remat's peak without a budget
 (same lowering). Step time: median over --steps interleaved rounds / eager without checkpointing.
 Writes benchmarks/out/peak.md, peak.csv and peak.png.
@@ -98,6 +99,15 @@ def measure(key: str, args) -> List[dict]:
                     free_peak = plan.peak.step
                 add(f"{lower}/{system}/budget {budget:g}", system, lower, budget, model, step, plan,
                     time.perf_counter() - t0)
+        for budget in args.no_rerun_budgets:
+            model, bind, fn = build_model(key, args)
+            compiled, _ = compile_variant(fn, "remat", lower, budget, rerun=False)
+            step = Step(bind(compiled))
+            t0 = time.perf_counter()
+            with budget_scope("remat", budget):
+                step()
+            add(f"{lower}/remat rerun off/budget {budget:g}", "remat_norerun", lower, budget, model, step,
+                remat.last_plan(), time.perf_counter() - t0)
         for frac in args.peak_fractions if free_peak else ():
             cap = int(free_peak * frac)
             model, bind, fn = build_model(key, args)
@@ -125,14 +135,15 @@ def measure(key: str, args) -> List[dict]:
 
 
 def table(rows: List[dict], key: str, timed: bool) -> List[str]:
-    head = "| variant | peak | remat estimate | saved | " + ("time | " if timed else "")
+    head = "| variant | peak | remat estimate | saved | recompute GFLOP | " + ("time | " if timed else "")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if r["model"] != key:
             continue
         est = fmt_bytes(r["est_peak"]) if "est_peak" in r else "-"
         saved = fmt_bytes(r["saved"]) if "saved" in r else "-"
-        lines.append(f"| {r['label']} | {fmt_bytes(r['peak'])} | {est} | {saved} | "
+        rec = f"{r['recompute_gflop']:.3f}" if "recompute_gflop" in r else "-"
+        lines.append(f"| {r['label']} | {fmt_bytes(r['peak'])} | {est} | {saved} | {rec} | "
                      + (f"{r['time_x']:.3f} | " if timed else ""))
     return lines
 
@@ -146,10 +157,20 @@ def summary(rows: List[dict], key: str, lowerings) -> List[str]:
         peaks = [get[("remat", b)]["peak"] for b in budgets]
         cmp = [f"{b:g}: {get[('remat', b)]['peak'] / get[('torch', b)]['peak']:.3f}" for b in budgets
                if ("torch", b) in get]
+        tcmp = [f"{b:g}: {get[('remat', b)]['time_x'] / get[('torch', b)]['time_x']:.3f}" for b in budgets
+                if ("torch", b) in get and "time_x" in get[("remat", b)]]
+        off = [f"{b:g}: peak {get[('remat_norerun', b)]['peak'] / get[('torch', b)]['peak']:.3f}"
+               + (f", time {get[('remat_norerun', b)]['time_x'] / get[('torch', b)]['time_x']:.3f}"
+                  if "time_x" in get[("remat_norerun", b)] else "")
+               for b in budgets if ("remat_norerun", b) in get and ("torch", b) in get]
         out.append(f"- {lower}: remat memory_budget peaks as the budget shrinks: "
                    + ", ".join(fmt_bytes(p) for p in peaks)
                    + f" (monotone: {peaks == sorted(peaks, reverse=True)}); remat peak / PyTorch peak at the same "
                    f"budget: {', '.join(cmp)}")
+        if tcmp:
+            out.append(f"- {lower}: remat step time / PyTorch step time at the same budget: {', '.join(tcmp)}")
+        if off:
+            out.append(f"- {lower}: remat with rerun=False / PyTorch at the same budget: {'; '.join(off)}")
         caps = sorted((r for r in rows if r["model"] == key and r["lower"] == lower and r["system"] == "remat_peak"),
                       key=lambda r: -r["budget"])
         if caps:
@@ -185,6 +206,13 @@ def plot(rows: List[dict], args, path: Path) -> None:
                 ax.plot([r["budget"] for r in pts], [r["peak"] / 2**20 for r in pts], style, label=label)
                 if timed and pts:
                     ax2.plot([r["time_x"] for r in pts], [r["peak"] / 2**20 for r in pts], style, label=label)
+            off = [r for r in rows if r["model"] == key and r["lower"] == lower and r["system"] == "remat_norerun"]
+            if off:
+                ax.plot([r["budget"] for r in off], [r["peak"] / 2**20 for r in off], "x", ms=8,
+                        label=f"remat rerun=False ({lower})")
+                if timed:
+                    ax2.plot([r["time_x"] for r in off], [r["peak"] / 2**20 for r in off], "x", ms=8,
+                             label=f"remat rerun=False ({lower})")
             caps = [r for r in rows if r["model"] == key and r["lower"] == lower and r["system"] == "remat_peak"]
             if timed and caps:
                 ax2.plot([r["time_x"] for r in caps], [r["peak"] / 2**20 for r in caps], "^",
@@ -213,12 +241,14 @@ def plot(rows: List[dict], args, path: Path) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_budget_args(p, "0,0.2,0.4,0.6,0.8,1")
-    p.add_argument("--peak-fractions", default="0.9,0.7,0.6,0.5,0.45,0.4")
+    add_budget_args(p, "0,0.1,0.2,0.4,0.6,0.8,1")
+    p.add_argument("--peak-fractions", default="0.6,0.5,0.4")
+    p.add_argument("--no-rerun-budgets", default="0,0.1", help="budgets also run with remat option rerun=False")
     add_model_args(p, steps=5)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "peak.md")
     args = parse_budget_args(p, argv)
     args.peak_fractions = floats(args.peak_fractions)
+    args.no_rerun_budgets = floats(args.no_rerun_budgets)
     return args
 
 

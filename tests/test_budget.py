@@ -133,7 +133,9 @@ def test_budgets_respected_against_held_bytes(name):
         assert lo < hi == plan_none.total_bytes
         assert rep.target == parse_budget(budget).target(lo, hi)
         assert held == plan.total_bytes == rep.achieved <= rep.target, (budget, held, str(plan))
-        assert rep.solver == "ilp" and rep.solve_seconds > 0 and rep.estimated_cost_s == plan.recompute_cost_s
+        rerun_s = plan.rerun.cost_s if plan.rerun else 0.0  # values recomputed a second time (passes/rerun.py)
+        assert rep.solver == "ilp" and rep.solve_seconds > 0
+        assert rep.estimated_cost_s == pytest.approx(plan.recompute_cost_s - rerun_s, rel=1e-9, abs=1e-15)
         _close(grads, want)
 
 
@@ -141,10 +143,11 @@ def test_budgets_respected_against_held_bytes(name):
 def test_sweep_is_monotone(name):
     model, inputs = MODELS[name]()
     fractions = [1.0, 0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05, 0.0]
-    points = remat.pareto(model, inputs, fractions, options={"lower": "eager"}, progress=False)
+    opts = {"lower": "eager", "rerun": False}  # the solver's plans (reruns trade time for peak on top)
+    points = remat.pareto(model, inputs, fractions, options=opts, progress=False)
     lo, hi = points[0].minimum, points[0].maximum
     sizes = [lo + (hi - lo) * k // 7 for k in range(7, -1, -1)]
-    points += remat.pareto(model, inputs, sizes, options={"lower": "eager"}, progress=False)
+    points += remat.pareto(model, inputs, sizes, options=opts, progress=False)
     for pts in (points[:len(fractions)], points[len(fractions):]):
         achieved = [p.achieved for p in pts]
         assert all(p.achieved <= p.target for p in pts)
