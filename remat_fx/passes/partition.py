@@ -71,7 +71,7 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             plan.moved_just_in_time = schedule_recompute(bw, set(plan.recomputed_fx))
         if options.rerun is True or (options.rerun == "auto" and budgeted):
             bw = _rerun(fw, bw, plan, num_fwd_outputs, cost, options.peak_budget)
-        plan.peak = estimate_peak(fw, bw, num_fwd_outputs)
+        plan.peak = estimate_peak(fw, bw, num_fwd_outputs, inline=options.lower == "inductor")
         return fw, bw, plan
 
     # our budget, not PyTorch's (its global knob would otherwise re-decide the min-cut's plan)
@@ -110,7 +110,7 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
     return fw, bw
 
 
-_INDUCTOR_MIN_GAIN = 0.25
+_MIN_GAIN = 0.02  # reruns that lower the estimated peak by less are not worth their time
 
 
 def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap):
@@ -122,10 +122,9 @@ def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap):
     weight = 1.0
     if plan.budget is not None and plan.budget.maximum > 0:
         weight = min(1.0, max(0.0, plan.budget.target / plan.budget.maximum))
-    # Inductor fuses and inlines what the FX graph materialises: its peaks differ from the FX
-    # liveness by up to ~15% either way (benchmarks/peak.py), so smaller modelled gains are noise
-    min_gain = _INDUCTOR_MIN_GAIN if cost.lower == "inductor" else 0.0
-    bw, report = rerun_for_peak(bw, counted, shared, held, simulate(fw)[0], cost, step_s, cap, weight, min_gain)
+    inline = cost.lower == "inductor"  # liveness as Inductor runs it (pointwise ops inside their user)
+    bw, report = rerun_for_peak(bw, counted, shared, held, simulate(fw, inline=inline)[0], cost, step_s, cap, weight,
+                                _MIN_GAIN, inline)
     plan.rerun = report
     plan.backward_flops += report.flops
     plan.recompute_flops += report.flops

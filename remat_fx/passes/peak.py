@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from remat_fx.passes.capture import storage_base
-from remat_fx.passes.cost import concrete
+from remat_fx.passes.cost import concrete, fusible
 
 
 @dataclass(frozen=True)
@@ -39,15 +39,42 @@ def _storage_bytes(node: fx.Node) -> int:
     return concrete(val.untyped_storage().nbytes())
 
 
-def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None) -> tuple:
+def inlinable(node: fx.Node) -> bool:
+    """A pointwise (or other fusible, non-view) op whose one user is fusible too: Inductor computes
+    it inside that user's kernel and never materialises it."""
+    if node.op != "call_function" or node.target is operator.getitem or not fusible(node):
+        return False
+    if node.target.is_view or isinstance(node.meta.get("val"), (tuple, list)):
+        return False
+    return len(node.users) <= 1 and all(u.op == "call_function" and u.target is not operator.getitem and fusible(u)
+                                        for u in node.users)
+
+
+def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,
+             inline: bool = False) -> tuple:
     """(peak bytes, bytes live at the end) of running ``gm`` op by op; placeholders named in
     ``counted_inputs`` are live from the start (and freed after their last use), others are free.
     ``shared`` maps placeholder names to a storage key: placeholders that are views of one storage
-    (saved views of one forward tensor) count once, until the last use of any of them."""
+    (saved views of one forward tensor) count once, until the last use of any of them. ``inline``
+    (the Inductor lowering): ``inlinable`` nodes take no memory, and their inputs live until the
+    user they are computed inside."""
     counted, shared = set(counted_inputs), shared or {}
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     end = len(nodes)
+    inlined = {n for n in nodes if inline and inlinable(n)}
+    reads: Dict[fx.Node, Set[fx.Node]] = {}  # node -> the nodes whose storage it reads, through inlined ones
+
+    def read_by(node: fx.Node) -> Set[fx.Node]:
+        found = reads.get(node)
+        if found is None:
+            found = set()
+            for m in node.all_input_nodes:
+                found.add(m)
+                if m in inlined:
+                    found |= read_by(m)
+            reads[node] = found
+        return found
 
     def key(node: fx.Node):
         base = storage_base(node)
@@ -63,8 +90,10 @@ def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dic
             continue
         k = key(node)
         first.setdefault(k, storage_base(node))
-        uses = [index[node]] + [index[u] for u in node.users if u.op != "output"]
-        last[k] = max(last.get(k, 0), *uses)
+        last[k] = max(last.get(k, 0), index[node])
+        for m in read_by(node):
+            km = key(m)
+            last[km] = max(last.get(km, 0), index[node])
     for k in outputs:
         last[k] = end
     events = [0] * (end + 2)
@@ -75,6 +104,8 @@ def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dic
             continue
         if base.op == "call_function" and isinstance(base.meta.get("val"), (tuple, list)):
             continue  # a tuple: its getitems carry the storages
+        if base in inlined:
+            continue
         nbytes = _storage_bytes(base)
         if base.target is operator.getitem:  # allocated with its (tuple-returning) producer
             start = index[base.args[0]]
@@ -106,10 +137,10 @@ def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     return counted, shared, held, sum(_storage_bytes(b) for b in saved_bases)
 
 
-def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> PeakEstimate:
+def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inline: bool = False) -> PeakEstimate:
     counted, shared, held, saved = backward_inputs(fw, bw, num_fwd_outputs)
-    fw_peak, _ = simulate(fw)
-    bw_peak, _ = simulate(bw, counted, shared)
+    fw_peak, _ = simulate(fw, inline=inline)
+    bw_peak, _ = simulate(bw, counted, shared, inline=inline)
     return PeakEstimate(forward=fw_peak, backward=held + bw_peak, saved=saved)
 
 

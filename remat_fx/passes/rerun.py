@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from remat_fx.passes.capture import is_random
-from remat_fx.passes.cost import flops
+from remat_fx.passes.cost import flops, fusible
 
 RERUN = "remat_fx.rerun"
 
@@ -69,6 +69,11 @@ def _is_view(node: fx.Node) -> bool:
         and isinstance(node.args[0], fx.Node)
 
 
+def _inlinable_op(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is not operator.getitem and fusible(node) \
+        and not node.target.is_view and not isinstance(node.meta.get("val"), (tuple, list))
+
+
 def _rerunnable(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
@@ -83,7 +88,7 @@ def _rerunnable(node: fx.Node) -> bool:
 
 
 class _Program:
-    def __init__(self, bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]):
+    def __init__(self, bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str], inline: bool):
         self.items: List[_Item] = []
         made: Dict[fx.Node, _Item] = {}
         reads_tangent: Set[fx.Node] = set()
@@ -95,8 +100,12 @@ class _Program:
                     any(m in reads_tangent for m in node.all_input_nodes):
                 reads_tangent.add(node)
         self.rerunnable = {n for n in made if n not in reads_tangent and _rerunnable(n)}
-        self.counted, self.shared = counted, shared
+        self.counted, self.shared, self.inline = counted, shared, inline
         self.bytes = {n: _nbytes(n) for n in made}
+        # what inlining depends on besides the (changing) users: the op itself
+        self.inlinable_op = {n for n in made if inline and _inlinable_op(n)}
+        self.fusible_op = {n for n in made if n.op == "call_function" and n.target is not operator.getitem
+                           and fusible(n)}
 
     def root(self, item: _Item, memo: dict):
         found = memo.get(item)
@@ -113,9 +122,35 @@ class _Program:
         return key
 
     def simulate(self):
-        """Liveness of the program: (live bytes per position, roots, start, last, uses)."""
+        """Liveness of the program: (live bytes per position, roots, start, last, uses, size), as
+        passes/peak.simulate counts it (with ``inline``: Inductor computes a lone-use pointwise op
+        inside its user, so it takes no memory and its inputs live until that user)."""
         items = self.items
         memo: dict = {}
+        inlined: Set[_Item] = set()
+        if self.inline:
+            users: Dict[_Item, List[_Item]] = {}
+            for item in items:
+                for m in item.ins.values():
+                    users.setdefault(m, []).append(item)
+            for item in items:
+                if item.src in self.inlinable_op:
+                    us = users.get(item, ())
+                    if len(us) <= 1 and all(u.src in self.fusible_op for u in us):
+                        inlined.add(item)
+        reads: Dict[_Item, Set[_Item]] = {}
+
+        def read_by(item: _Item) -> Set[_Item]:
+            found = reads.get(item)
+            if found is None:
+                found = set()
+                for m in item.ins.values():
+                    found.add(m)
+                    if m in inlined:
+                        found |= read_by(m)
+                reads[item] = found
+            return found
+
         end = len(items) - 1  # the output
         start: Dict[object, int] = {}
         last: Dict[object, int] = {}
@@ -129,7 +164,7 @@ class _Program:
                 src = item.src
                 counts = src.op != "placeholder" or src.name in self.counted
                 tuple_valued = src.op == "call_function" and isinstance(src.meta.get("val"), (tuple, list))
-                size[r] = self.bytes[src] if counts and not tuple_valued else 0
+                size[r] = self.bytes[src] if counts and not tuple_valued and item not in inlined else 0
                 if src.target is operator.getitem and src.op == "call_function":
                     producer = item.ins[src.args[0]]
                     start[r] = next(j for j in range(i, -1, -1) if items[j] is producer)
@@ -141,7 +176,7 @@ class _Program:
                     last[self.root(m, memo)] = end + 1  # outputs live to the end
                     uses.setdefault(self.root(m, memo), []).append(end)
                 continue
-            for m in set(self.root(m, memo) for m in item.ins.values()):
+            for m in set(self.root(m, memo) for m in read_by(item)):
                 last[m] = max(last[m], i)
                 uses.setdefault(m, []).append(i)
         events = [0] * (end + 3)
@@ -164,7 +199,7 @@ class _State:
 
 def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str], held: int, floor: int,
                    cost: Callable[[fx.Node], float], step_s: float, cap: Optional[int] = None,
-                   weight: float = 1.0, min_gain: float = 0.0, max_closure: int = 256, tries: int = 6,
+                   weight: float = 1.0, min_gain: float = 0.0, inline: bool = False, max_closure: int = 256, tries: int = 6,
                    patience: int = 40, max_reruns: int = 2000):
     """(backward graph with the reruns, RerunReport); ``bw`` itself is left as it was. ``counted``/``shared``: as passes/peak.simulate; ``held``: bytes the
     forward leaves alive beyond the backward's inputs (its other outputs); ``floor``: the forward's
@@ -172,11 +207,12 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     (forward and backward), against which a rerun's time is weighed (to the power ``weight``: 1 trades
     a fraction of peak for the same fraction of step time, 0 takes the lowest peak found); ``cap``: a
     peak_budget; ``min_gain``: without a cap, reruns are kept only if they lower the estimated peak by
-    at least this fraction (the estimate's error under the lowering)."""
+    at least this fraction (the estimate's error under the lowering); ``inline``: liveness as under
+    Inductor (passes/peak.simulate)."""
     import time
 
     t0 = time.perf_counter()
-    prog = _Program(bw, counted, shared)
+    prog = _Program(bw, counted, shared, inline)
     report = RerunReport()
 
     def state():
