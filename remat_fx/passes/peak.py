@@ -40,14 +40,34 @@ def _storage_bytes(node: fx.Node) -> int:
 
 
 def inlinable(node: fx.Node) -> bool:
-    """A pointwise (or other fusible, non-view) op whose one user is fusible too: Inductor computes
-    it inside that user's kernel and never materialises it."""
+    """A pointwise (or other fusible, non-view) op read by one fusible compute op (through views):
+    Inductor computes it inside that op's kernel and never materialises it."""
     if node.op != "call_function" or node.target is operator.getitem or not fusible(node):
         return False
     if node.target.is_view or isinstance(node.meta.get("val"), (tuple, list)):
         return False
-    return len(node.users) <= 1 and all(u.op == "call_function" and u.target is not operator.getitem and fusible(u)
-                                        for u in node.users)
+    readers = consumers(node)
+    return readers is not None and len(readers) <= 1 and all(fusible(u) for u in readers)
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and storage_base(node) is not node
+
+
+def consumers(node: fx.Node):
+    """The ops that read ``node``'s values, looking through views; None if a graph output does."""
+    found = []
+    for user in node.users:
+        if user.op != "call_function":
+            return None
+        if _is_view(user):
+            more = consumers(user)
+            if more is None:
+                return None
+            found += more
+        else:
+            found.append(user)
+    return found
 
 
 def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,

@@ -133,10 +133,25 @@ class _Program:
             for item in items:
                 for m in item.ins.values():
                     users.setdefault(m, []).append(item)
+
+            def readers(item: _Item):  # through views; None if a graph output reads it
+                found = []
+                for u in users.get(item, ()):
+                    if u.src.op != "call_function":
+                        return None
+                    if _is_view(u.src):
+                        more = readers(u)
+                        if more is None:
+                            return None
+                        found += more
+                    else:
+                        found.append(u)
+                return found
+
             for item in items:
                 if item.src in self.inlinable_op:
-                    us = users.get(item, ())
-                    if len(us) <= 1 and all(u.src in self.fusible_op for u in us):
+                    us = readers(item)
+                    if us is not None and len(us) <= 1 and all(u.src in self.fusible_op for u in us):
                         inlined.add(item)
         reads: Dict[_Item, Set[_Item]] = {}
 
