@@ -276,3 +276,32 @@ def test_rerun_under_inductor_keeps_gradients_and_lowers_the_measured_peak():
     (off, _), (on, plan) = peaks[False], peaks["auto"]
     assert plan.rerun.reruns > 0
     assert on < 0.9 * off, (on, off)  # 20% lower here; parameter gradients are most of this tiny step
+
+
+def test_inductor_liveness_computes_lone_pointwise_ops_inside_their_reader():
+    """Under Inductor a pointwise op read by one fusible op is computed inside that op's kernel (no
+    buffer of its own, its inputs live until that op); one read by an extern kernel (mm), even
+    through a view, is materialised."""
+    from remat_fx.passes.peak import inlinable
+
+    g = fx.Graph()
+    a, w = g.placeholder("a"), g.placeholder("w")
+    s = g.call_function(torch.ops.aten.sin.default, (a,))  # read by cos only: inlined
+    c = g.call_function(torch.ops.aten.cos.default, (s,))  # read by mm through a view: materialised
+    v = g.call_function(torch.ops.aten.view.default, (c, [4, 4]))
+    m = g.call_function(torch.ops.aten.mm.default, (v, w))
+    e = g.call_function(torch.ops.aten.exp.default, (m,))  # a graph output: materialised
+    g.output((e,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    for node in gm.graph.nodes:
+        node.meta["val"] = torch.empty(4, 1) if node.name in ("w", "mm_default", "exp_default") else torch.empty(4, 4)
+    assert [inlinable(n) for n in (s, c, v, m, e)] == [True, False, False, False, False]
+    n, small = 4 * 4 * 4, 4 * 4
+    # op by op (inputs not counted): at cos, {sin, cos} is the peak
+    assert simulate(gm, set()) == (2 * n, small)
+    # inlined: sin takes nothing; the peak is cos and mm's output
+    assert simulate(gm, set(), inline=True) == (n + small, small)
+    # `a` counted: it lives until cos, which reads it through sin
+    assert simulate(gm, {"a"}, inline=True) == (2 * n, small)
+    x, wt = torch.randn(4, 4), torch.randn(4, 1)
+    torch.testing.assert_close(gm(x, wt)[0], torch.exp(torch.cos(torch.sin(x)) @ wt))

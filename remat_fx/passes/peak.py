@@ -7,6 +7,13 @@ counted; the backward starts from what the forward saved (less those inputs) and
 and frees each saved tensor after its last use (both lowerings clear the boxed argument list).
 The step's incremental peak is the larger of the forward's and the backward's (the forward's
 other outputs, like the loss, held through the backward).
+
+Under the Inductor lowering the graphs are not run op by op: a pointwise op read by a single
+fusible op is computed inside that op's kernel, so it takes no memory and its inputs stay alive
+until that op instead (``inline``). Measured on the example GPT this brings the estimate from
+8-35% off Inductor's peak to a few percent; what it still misses are Inductor's own rewrites
+(e.g. an mm moved into an addmm at the end of the backward) and buffers that fused kernels or
+fallback ops allocate inside.
 """
 from __future__ import annotations
 
