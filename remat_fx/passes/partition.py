@@ -111,6 +111,10 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
 
 
 _MIN_GAIN = 0.02  # reruns that lower the estimated peak by less are not worth their time
+# Under Inductor the liveness model is still up to ~20% off the measured peak (fallback kernels'
+# own buffers, Inductor's rewrites), and modelled gains below that were measured to raise the peak
+# on the transformers GPT-2 (budget 0.1: 35.7 -> 39.0 MiB): reruns must promise more there.
+_MIN_GAIN_INDUCTOR = 0.30
 
 
 def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap):
@@ -124,7 +128,7 @@ def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap):
         weight = min(1.0, max(0.0, plan.budget.target / plan.budget.maximum))
     inline = cost.lower == "inductor"  # liveness as Inductor runs it (pointwise ops inside their user)
     bw, report = rerun_for_peak(bw, counted, shared, held, simulate(fw, inline=inline)[0], cost, step_s, cap, weight,
-                                _MIN_GAIN, inline)
+                                _MIN_GAIN_INDUCTOR if inline else _MIN_GAIN, inline)
     plan.rerun = report
     plan.backward_flops += report.flops
     plan.recompute_flops += report.flops
