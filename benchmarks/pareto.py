@@ -36,7 +36,6 @@ Writes benchmarks/out/pareto.md, pareto.csv and pareto.png.
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import platform
 import statistics
@@ -57,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 import remat_fx as remat  # noqa: E402
 from benchmarks.memory import fmt_bytes, measure_heap, measure_hooks  # noqa: E402
 from benchmarks.timing import (add_budget_args, add_model_args, floats, interleaved_step_times,  # noqa: E402
-                               parse_budget_args, write_report)
+                               parse_budget_args, write_outputs)
 from examples import gpt as example_gpt  # noqa: E402
 from remat_fx.passes.capture import decompositions  # noqa: E402
 from remat_fx.passes.cost import flops  # noqa: E402
@@ -383,17 +382,7 @@ def report(rows, drops, args, cmd) -> str:
                 "| model | system | budget | max rel grad error |", "|---|---|---|---|"]
         out += [f"| {d['model']} | {d['system']} | {d['budget']:g} | {d['rel_err']:.2e} |" for d in drops]
         out += [""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
-        fields = sorted({k for r in rows for k in r})
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
-    try:
-        plot(rows, args, args.out.with_suffix(".png"))
-    except ImportError:
-        out.append("(no plot: pip install matplotlib)")
-    return write_report(args.out, out)
+    return write_outputs(args.out, rows, out, lambda png: plot(rows, args, png))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Writes benchmarks/out/peak.md, peak.csv and peak.png.
 from __future__ import annotations
 
 import argparse
-import csv
 import platform
 import statistics
 import sys
@@ -33,7 +32,7 @@ import remat_fx as remat  # noqa: E402
 from benchmarks.memory import fmt_bytes, step_peak_bytes  # noqa: E402
 from benchmarks.pareto import budget_scope, build_model, compile_variant  # noqa: E402
 from benchmarks.timing import (add_budget_args, add_model_args, floats, interleaved_step_times,  # noqa: E402
-                               parse_budget_args, write_report)
+                               parse_budget_args, write_outputs)
 
 
 class _CheckpointBlock(torch.nn.Module):
@@ -266,16 +265,7 @@ def main(argv=None) -> str:
     for key in keys:
         out += [f"## {key}", ""] + table(rows, key, not args.skip_time) + [""] + summary(rows, key, args.lowerings)
         out += [""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
-        w.writeheader()
-        w.writerows(rows)
-    try:
-        plot(rows, args, args.out.with_suffix(".png"))
-    except ImportError:
-        out.append("(no plot: pip install matplotlib)")
-    return write_report(args.out, out)
+    return write_outputs(args.out, rows, out, lambda png: plot(rows, args, png))
 
 
 if __name__ == "__main__":

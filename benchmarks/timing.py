@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import gc
 import time
 from pathlib import Path
@@ -31,6 +32,21 @@ def interleaved_step_times(variants: Dict[str, Tuple[object, Callable]], steps: 
             if rnd >= warmup:
                 times[label].append(dt)
     return times
+
+
+def write_outputs(path: Path, rows: List[dict], lines: List[str], plot: Callable[[Path], None]) -> str:
+    """``path``'s .csv (the rows), .png (``plot(png_path)``, skipped without matplotlib) and the
+    report ``lines`` as ``path`` itself."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        plot(path.with_suffix(".png"))
+    except ImportError:
+        lines = lines + ["(no plot: pip install matplotlib)"]
+    return write_report(path, lines)
 
 
 def write_report(path: Path, lines: List[str]) -> str:

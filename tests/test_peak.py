@@ -70,6 +70,22 @@ def _measure(model, inputs, options):
     return plan, peak
 
 
+def _spy(monkeypatch, name, record):
+    """Wrap the partition pass ``name``; the returned dict is updated with ``record(args, result)``
+    at each call."""
+    import remat_fx.passes.partition as partition
+
+    seen, real = {}, getattr(partition, name)
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.update(record(args, out))
+        return out
+
+    monkeypatch.setattr(partition, name, spy)
+    return seen
+
+
 @pytest.mark.parametrize("name, make", [("mlp", _mlp), ("gpt", _gpt), ("hf_gpt2", _hf_gpt2)])
 def test_estimated_peak_within_10_percent_of_measured(name, make):
     model, inputs = make()
@@ -79,24 +95,12 @@ def test_estimated_peak_within_10_percent_of_measured(name, make):
         assert abs(plan.peak.step - measured) <= 0.1 * measured, (name, budget, plan.peak, measured)
 
 
-def test_recompute_is_just_in_time_in_compiled_backward():
+def test_recompute_is_just_in_time_in_compiled_backward(monkeypatch):
     """Every node between a recomputed node and its first backward user is part of that user's
     recompute chain (recomputed too): nothing recomputed waits for unrelated gradient work."""
     model, inputs = _gpt()
-    seen = {}
-    real = schedule_recompute
-
-    def spy(bw, recomputed):
-        moved = real(bw, recomputed)
-        seen["bw"], seen["rec"] = bw, recomputed
-        return moved
-
-    import remat_fx.passes.partition as partition
-    partition.schedule_recompute = spy
-    try:
-        _measure(model, inputs, {"memory_budget": 0.3})
-    finally:
-        partition.schedule_recompute = real
+    seen = _spy(monkeypatch, "schedule_recompute", lambda args, out: {"bw": args[0], "rec": args[1]})
+    _measure(model, inputs, {"memory_budget": 0.3})
     nodes = list(seen["bw"].graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     assert seen["rec"]
@@ -215,26 +219,14 @@ def test_budget_zero_peak_at_or_below_per_block_checkpointing():
     assert measured <= per_block, (measured, per_block, plan.peak)
 
 
-def test_rerun_copies_sit_just_before_their_first_use():
+def test_rerun_copies_sit_just_before_their_first_use(monkeypatch):
     """Between a rerun copy and its first user lie only other copies (its closure); a copied view,
     which allocates nothing, may wait longer for a later user of its base's copy."""
     from remat_fx.passes.rerun import RERUN, _is_view
 
     model, inputs = _gpt()
-    seen = {}
-    import remat_fx.passes.partition as partition
-    real = partition.rerun_for_peak
-
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        seen["bw"] = out[0]
-        return out
-
-    partition.rerun_for_peak = spy
-    try:
-        _measure(model, inputs, {"memory_budget": 0.0})
-    finally:
-        partition.rerun_for_peak = real
+    seen = _spy(monkeypatch, "rerun_for_peak", lambda args, out: {"bw": out[0]})
+    _measure(model, inputs, {"memory_budget": 0.0})
     nodes = list(seen["bw"].graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     copies = [n for n in nodes if n.meta.get(RERUN) and not _is_view(n)]
