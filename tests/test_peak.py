@@ -222,14 +222,15 @@ def test_budget_zero_peak_at_or_below_per_block_checkpointing():
 def test_rerun_copies_sit_just_before_their_first_use(monkeypatch):
     """Between a rerun copy and its first user lie only other copies (its closure); a copied view,
     which allocates nothing, may wait longer for a later user of its base's copy."""
-    from remat_fx.passes.rerun import RERUN, _is_view
+    from remat_fx.passes.peak import is_view
+    from remat_fx.passes.rerun import RERUN
 
     model, inputs = _gpt()
     seen = _spy(monkeypatch, "rerun_for_peak", lambda args, out: {"bw": out[0]})
     _measure(model, inputs, {"memory_budget": 0.0})
     nodes = list(seen["bw"].graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    copies = [n for n in nodes if n.meta.get(RERUN) and not _is_view(n)]
+    copies = [n for n in nodes if n.meta.get(RERUN) and not is_view(n)]
     assert copies
     for node in copies:
         first = min(index[u] for u in node.users)

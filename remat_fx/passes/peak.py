@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Dict, Iterable, Set
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -46,35 +46,80 @@ def _storage_bytes(node: fx.Node) -> int:
     return concrete(val.untyped_storage().nbytes())
 
 
-def inlinable(node: fx.Node) -> bool:
-    """A pointwise (or other fusible, non-view) op read by one fusible compute op (through views):
-    Inductor computes it inside that op's kernel and never materialises it."""
-    if node.op != "call_function" or node.target is operator.getitem or not fusible(node):
-        return False
-    if node.target.is_view or isinstance(node.meta.get("val"), (tuple, list)):
-        return False
-    readers = consumers(node)
-    return readers is not None and len(readers) <= 1 and all(fusible(u) for u in readers)
-
-
-def _is_view(node: fx.Node) -> bool:
+def is_view(node: fx.Node) -> bool:
+    """A node that shares another node's storage (a view, or a getitem of a multi-output view)."""
     return node.op == "call_function" and storage_base(node) is not node
 
 
-def consumers(node: fx.Node):
-    """The ops that read ``node``'s values, looking through views; None if a graph output does."""
+def inlinable_op(node: fx.Node) -> bool:
+    """An op Inductor may compute inside its reader's kernel: fusible, not a view, one tensor out."""
+    return node.op == "call_function" and node.target is not operator.getitem and fusible(node) \
+        and not node.target.is_view and not isinstance(node.meta.get("val"), (tuple, list))
+
+
+def readers(x, users: Callable, src: Callable = lambda n: n) -> Optional[list]:
+    """The ops reading ``x``'s values, looking through views; None if a graph output reads them.
+    ``users(x)``: what takes ``x`` as an input; ``src(y)``: the FX node ``y`` stands for (the same
+    function serves FX graphs and passes/rerun.py's program of copies)."""
     found = []
-    for user in node.users:
-        if user.op != "call_function":
+    for user in users(x):
+        node = src(user)
+        if node.op != "call_function":
             return None
-        if _is_view(user):
-            more = consumers(user)
+        if is_view(node):
+            more = readers(user, users, src)
             if more is None:
                 return None
             found += more
         else:
             found.append(user)
     return found
+
+
+def inlinable(node: fx.Node, users: Callable = lambda n: n.users, src: Callable = lambda n: n, x=None) -> bool:
+    """Under Inductor, an ``inlinable_op`` read by at most one fusible op (through views) is computed
+    inside that op's kernel and never materialised. ``x``: what stands for ``node`` in ``users``."""
+    if not inlinable_op(node):
+        return False
+    found = readers(node if x is None else x, users, src)
+    return found is not None and len(found) <= 1 and all(fusible(src(u)) for u in found)
+
+
+def reads_through(x, inputs: Callable, inlined: Set, memo: dict) -> Set:
+    """What ``x`` reads: its inputs, and what the inlined ones among them read (they are computed
+    inside ``x``)."""
+    found = memo.get(x)
+    if found is None:
+        found = set()
+        for m in inputs(x):
+            found.add(m)
+            if m in inlined:
+                found |= reads_through(m, inputs, inlined, memo)
+        memo[x] = found
+    return found
+
+
+def liveness(n: int, storages: Dict[object, Tuple[int, int]], reads: List[Iterable], outputs: Set) -> tuple:
+    """(bytes live at each of positions 0..n, last use of each storage) of a program of ``n``
+    positions: ``storages`` {key: (position allocated, bytes)}, ``reads[i]`` the keys position ``i``
+    reads (its own output included), ``outputs`` the keys alive to the end (position ``n``). A
+    storage is alive from its allocation while its last reader runs."""
+    last: Dict[object, int] = {k: start for k, (start, _) in storages.items()}
+    for i, keys in enumerate(reads):
+        for k in keys:
+            if last.get(k, -1) < i:
+                last[k] = i
+    for k in outputs:
+        last[k] = n
+    events = [0] * (n + 2)
+    for k, (start, nbytes) in storages.items():
+        events[start] += nbytes
+        events[last[k] + 1] -= nbytes
+    live, acc = [], 0
+    for i in range(n + 1):
+        acc += events[i]
+        live.append(acc)
+    return live, last
 
 
 def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,
@@ -86,67 +131,43 @@ def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dic
     (the Inductor lowering): ``inlinable`` nodes take no memory, and their inputs live until the
     user they are computed inside."""
     counted, shared = set(counted_inputs), shared or {}
-    nodes = list(gm.graph.nodes)
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
     index = {n: i for i, n in enumerate(nodes)}
-    end = len(nodes)
     inlined = {n for n in nodes if inline and inlinable(n)}
-    reads: Dict[fx.Node, Set[fx.Node]] = {}  # node -> the nodes whose storage it reads, through inlined ones
-
-    def read_by(node: fx.Node) -> Set[fx.Node]:
-        found = reads.get(node)
-        if found is None:
-            found = set()
-            for m in node.all_input_nodes:
-                found.add(m)
-                if m in inlined:
-                    found |= read_by(m)
-            reads[node] = found
-        return found
 
     def key(node: fx.Node):
         base = storage_base(node)
         return shared.get(base.name, base) if base.op == "placeholder" else base
 
-    last: Dict[object, int] = {}  # storage key -> index of its last use
-    first: Dict[object, fx.Node] = {}  # storage key -> the node that holds its size
-    output = nodes[-1]
-    outputs: Set[object] = set()
-    fx.node.map_arg(output.args, lambda n: outputs.add(key(n)))
+    storages: Dict[object, Tuple[int, int]] = {}
     for node in nodes:
-        if node.op == "output":
-            continue
         k = key(node)
-        first.setdefault(k, storage_base(node))
-        last[k] = max(last.get(k, 0), index[node])
-        for m in read_by(node):
-            km = key(m)
-            last[km] = max(last.get(km, 0), index[node])
-    for k in outputs:
-        last[k] = end
-    events = [0] * (end + 2)
-    final = 0
-    for k, stop in last.items():
-        base = first[k]
-        if base.op == "placeholder" and base.name not in counted:
-            continue
-        if base.op == "call_function" and isinstance(base.meta.get("val"), (tuple, list)):
-            continue  # a tuple: its getitems carry the storages
-        if base in inlined:
-            continue
-        nbytes = _storage_bytes(base)
-        if base.target is operator.getitem:  # allocated with its (tuple-returning) producer
-            start = index[base.args[0]]
-        else:
-            start = 0 if base.op == "placeholder" else index[base]
-        events[start] += nbytes
-        events[stop + 1] -= nbytes  # alive while its last user runs
-        if k in outputs:
-            final += nbytes
-    live = peak = 0
-    for i in range(end + 1):
-        live += events[i]
-        peak = max(peak, live)
-    return peak, final
+        if k not in storages:
+            base = storage_base(node)
+            producer = index.get(base.args[0]) if base.target is operator.getitem else None
+            storages[k] = allocation(base, index.get(base, 0), producer, counted, base in inlined)
+    memo: dict = {}
+    reads = [{key(node)} | {key(m) for m in reads_through(node, lambda x: x.all_input_nodes, inlined, memo)}
+             for node in nodes]
+    outputs: Set[object] = set()
+    fx.node.map_arg(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args,
+                    lambda n: outputs.add(key(n)))
+    live, _ = liveness(len(nodes), storages, reads, outputs)
+    return max(live), sum(storages[k][1] for k in outputs if k in storages)
+
+
+def allocation(src: fx.Node, position: int, producer_position: Optional[int], counted: Set[str],
+               inlined: bool) -> Tuple[int, int]:
+    """(position, bytes) of the storage node ``src`` makes at ``position``: graph inputs exist from
+    the start (free unless named in ``counted``); a getitem's storage is made with its tuple-returning
+    producer (at ``producer_position``); a tuple itself, and an inlined op, take nothing."""
+    if src.op == "placeholder":
+        return 0, _storage_bytes(src) if src.name in counted else 0
+    if src.target is operator.getitem:
+        return producer_position, _storage_bytes(src)
+    if inlined or isinstance(src.meta.get("val"), (tuple, list)):
+        return position, 0
+    return position, _storage_bytes(src)
 
 
 def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int):

@@ -27,7 +27,8 @@ import torch
 import torch.fx as fx
 
 from remat_fx.passes.capture import is_random
-from remat_fx.passes.cost import flops, fusible
+from remat_fx.passes.cost import flops
+from remat_fx.passes.peak import allocation, inlinable, inlinable_op, is_view, liveness, reads_through
 
 RERUN = "remat_fx.rerun"
 
@@ -52,26 +53,6 @@ class _Item:
 
     def __init__(self, src: fx.Node, ins: Dict[fx.Node, "_Item"], copy: bool = False):
         self.src, self.ins, self.copy = src, ins, copy
-
-
-def _nbytes(node: fx.Node) -> int:
-    from remat_fx.passes.peak import _storage_bytes
-
-    return _storage_bytes(node)
-
-
-def _is_view(node: fx.Node) -> bool:
-    target = node.target
-    if target is operator.getitem:
-        parent = node.args[0]
-        return isinstance(parent.target, torch._ops.OpOverload) and parent.target.is_view
-    return isinstance(target, torch._ops.OpOverload) and target.is_view and bool(node.args) \
-        and isinstance(node.args[0], fx.Node)
-
-
-def _inlinable_op(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is not operator.getitem and fusible(node) \
-        and not node.target.is_view and not isinstance(node.meta.get("val"), (tuple, list))
 
 
 def _rerunnable(node: fx.Node) -> bool:
@@ -101,11 +82,8 @@ class _Program:
                 reads_tangent.add(node)
         self.rerunnable = {n for n in made if n not in reads_tangent and _rerunnable(n)}
         self.counted, self.shared, self.inline = counted, shared, inline
-        self.bytes = {n: _nbytes(n) for n in made}
         # what inlining depends on besides the (changing) users: the op itself
-        self.inlinable_op = {n for n in made if inline and _inlinable_op(n)}
-        self.fusible_op = {n for n in made if n.op == "call_function" and n.target is not operator.getitem
-                           and fusible(n)}
+        self.inlinable_op = {n for n in made if inline and inlinable_op(n)}
 
     def root(self, item: _Item, memo: dict):
         found = memo.get(item)
@@ -114,7 +92,7 @@ class _Program:
         src = item.src
         if src.op == "placeholder":
             key = self.shared.get(src.name, item)
-        elif _is_view(src):
+        elif is_view(src):
             key = self.root(item.ins[src.args[0]], memo)
         else:
             key = item
@@ -122,87 +100,38 @@ class _Program:
         return key
 
     def simulate(self):
-        """Liveness of the program: (live bytes per position, roots, start, last, uses, size), as
-        passes/peak.simulate counts it (with ``inline``: Inductor computes a lone-use pointwise op
-        inside its user, so it takes no memory and its inputs live until that user)."""
+        """Liveness of the program as passes/peak.simulate counts it (with ``inline``, as Inductor
+        runs it): (live bytes per position, root of each position, start, last, uses, size by root)."""
         items = self.items
         memo: dict = {}
+        position = {item: i for i, item in enumerate(items)}
+        roots = [self.root(item, memo) for item in items]
         inlined: Set[_Item] = set()
         if self.inline:
             users: Dict[_Item, List[_Item]] = {}
             for item in items:
                 for m in item.ins.values():
                     users.setdefault(m, []).append(item)
-
-            def readers(item: _Item):  # through views; None if a graph output reads it
-                found = []
-                for u in users.get(item, ()):
-                    if u.src.op != "call_function":
-                        return None
-                    if _is_view(u.src):
-                        more = readers(u)
-                        if more is None:
-                            return None
-                        found += more
-                    else:
-                        found.append(u)
-                return found
-
-            for item in items:
-                if item.src in self.inlinable_op:
-                    us = readers(item)
-                    if us is not None and len(us) <= 1 and all(u.src in self.fusible_op for u in us):
-                        inlined.add(item)
-        reads: Dict[_Item, Set[_Item]] = {}
-
-        def read_by(item: _Item) -> Set[_Item]:
-            found = reads.get(item)
-            if found is None:
-                found = set()
-                for m in item.ins.values():
-                    found.add(m)
-                    if m in inlined:
-                        found |= read_by(m)
-                reads[item] = found
-            return found
-
-        end = len(items) - 1  # the output
-        start: Dict[object, int] = {}
-        last: Dict[object, int] = {}
-        uses: Dict[object, List[int]] = {}
-        size: Dict[object, int] = {}
-        roots = []
-        for i, item in enumerate(items):
-            r = self.root(item, memo)
-            roots.append(r)
-            if r not in start:
+            inlined = {item for item in items if item.src in self.inlinable_op
+                       and inlinable(item.src, lambda x: users.get(x, ()), lambda x: x.src, item)}
+        storages: Dict[object, tuple] = {}
+        for item, r in zip(items, roots):
+            if r not in storages:
                 src = item.src
-                counts = src.op != "placeholder" or src.name in self.counted
-                tuple_valued = src.op == "call_function" and isinstance(src.meta.get("val"), (tuple, list))
-                size[r] = self.bytes[src] if counts and not tuple_valued and item not in inlined else 0
-                if src.target is operator.getitem and src.op == "call_function":
-                    producer = item.ins[src.args[0]]
-                    start[r] = next(j for j in range(i, -1, -1) if items[j] is producer)
-                else:
-                    start[r] = 0 if src.op == "placeholder" else i
-            last[r] = max(last.get(r, i), i)
-            if i == end:
-                for m in item.ins.values():
-                    last[self.root(m, memo)] = end + 1  # outputs live to the end
-                    uses.setdefault(self.root(m, memo), []).append(end)
-                continue
-            for m in set(self.root(m, memo) for m in read_by(item)):
-                last[m] = max(last[m], i)
-                uses.setdefault(m, []).append(i)
-        events = [0] * (end + 3)
-        for r, s in start.items():
-            if size[r]:
-                events[s] += size[r]
-                events[min(last[r], end) + 1] -= size[r]
-        live, acc = [], 0
-        for i in range(end + 1):
-            acc += events[i]
-            live.append(acc)
+                producer = position[item.ins[src.args[0]]] if src.target is operator.getitem else None
+                storages[r] = allocation(src, position[item], producer, self.counted, item in inlined)
+        end = len(items) - 1  # the output
+        read_memo: dict = {}
+        reads, uses = [], {}
+        for i, item in enumerate(items):
+            keys = {self.root(m, memo) for m in reads_through(item, lambda x: x.ins.values(), inlined, read_memo)}
+            for k in keys:
+                uses.setdefault(k, []).append(i)
+            reads.append(keys | {roots[i]})
+        outputs = {self.root(m, memo) for m in items[end].ins.values()}
+        live, last = liveness(end, storages, reads[:end], outputs)
+        start = {k: v[0] for k, v in storages.items()}
+        size = {k: v[1] for k, v in storages.items()}
         return live, roots, start, last, uses, size
 
 
