@@ -20,6 +20,7 @@ set it). Random ops, mutations and anything that reads a tangent are never rerun
 from __future__ import annotations
 
 import operator
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set
 
@@ -153,8 +154,6 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     peak_budget; ``min_gain``: without a cap, reruns are kept only if they lower the estimated peak by
     at least this fraction (the estimate's error under the lowering); ``inline``: liveness as under
     Inductor (passes/peak.simulate)."""
-    import time
-
     t0 = time.perf_counter()
     prog = _Program(bw, counted, shared, inline)
     report = RerunReport()
@@ -197,13 +196,12 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     keep = history[:_prefix(history, report.peak_before, step_s, cap, weight, min_gain)]
     if keep:
         prog.items = keep[-1][0]
-        report.peak_after = keep[-1][1].peak
+        report.peak_after, report.cost_s = keep[-1][1].peak, keep[-1][4]
         for _, _, name, nodes, _ in keep:
             report.reruns += 1
             report.names.append(name)
             report.nodes += len(nodes)
             report.flops += sum(flops(n) for n in nodes)
-            report.cost_s += sum(cost(n) for n in nodes)
         bw = _materialize(bw, prog.items)
     report.seconds = time.perf_counter() - t0
     return bw, report
