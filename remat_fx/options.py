@@ -32,6 +32,9 @@ _DOC = {
     "schedule": "move each recomputed node to just before its first backward use (default True)",
     "rerun": "recompute a value a second time in backward where holding it would set the step's peak: "
              "'auto' (default: with a memory_budget or peak_budget), True or False",
+    "peak_slack": "with a memory_budget, the fraction of estimated step time the plan may add to lower the "
+                  "step's estimated peak: saved-bytes targets 5-20% under the budget's are tried and the lowest "
+                  "peak within this slack of the fastest plan kept (default 0.02; 0 = the fastest plan)",
 }
 
 
@@ -43,6 +46,7 @@ class BackendOptions:
     report: bool = False
     schedule: bool = True
     rerun: object = "auto"  # "auto", True or False
+    peak_slack: float = 0.02
     memory_budget: Optional[Budget] = None
     peak_budget: Optional[int] = None
     cost_model: str = "auto"
@@ -53,7 +57,7 @@ class BackendOptions:
 
     def key(self) -> tuple:
         """What changes the compiled result (for Inductor's cache)."""
-        return (self.save, self.recompute, self.lower, self.schedule, self.rerun, repr(self.memory_budget), self.peak_budget,
+        return (self.save, self.recompute, self.lower, self.schedule, self.rerun, self.peak_slack, repr(self.memory_budget), self.peak_budget,
                 self.cost_model, self.roofline, self.solver, self.solver_time_limit)
 
 
@@ -83,6 +87,10 @@ def parse_options(options) -> BackendOptions:
     rerun = options.get("rerun", "auto")
     if rerun not in ("auto", True, False) or (rerun == 1 and not isinstance(rerun, bool)):
         raise ValueError(f"backend 'remat': option 'rerun' must be 'auto', True or False, got {rerun!r}")
+    slack = options.get("peak_slack", 0.02)
+    if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack < 1:
+        raise ValueError(f"backend 'remat': option 'peak_slack' must be a fraction of step time in [0, 1), e.g. "
+                         f"0.01 (1%), got {slack!r}")
     try:
         budget = parse_budget(options.get("memory_budget", config.memory_budget), "option 'memory_budget'")
     except ValueError as e:
@@ -107,6 +115,6 @@ def parse_options(options) -> BackendOptions:
                          f"got {limit!r}")
     globs = NameGlobs(save=options.get("save"), recompute=options.get("recompute"))
     return BackendOptions(save=globs.save, recompute=globs.recompute, lower=lower, report=report,
-                          schedule=schedule, rerun=rerun, memory_budget=budget, peak_budget=None if peak is None else peak.nbytes,
+                          schedule=schedule, rerun=rerun, peak_slack=float(slack), memory_budget=budget, peak_budget=None if peak is None else peak.nbytes,
                           cost_model=cost_model, roofline=roofline, solver=solver,
                           solver_time_limit=float(limit), globs=globs)

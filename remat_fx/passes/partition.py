@@ -22,10 +22,9 @@ from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
 from remat_fx.options import BackendOptions
 from remat_fx.passes.budget import apply_budget, budgets_of
-from remat_fx.passes.peak import fit_peak
 from remat_fx.passes.capture import is_random, read_joint
 from remat_fx.passes.cost import CostModel, node_device
-from remat_fx.passes.peak import backward_inputs, simulate
+from remat_fx.passes.peak import backward_inputs, fit_peak, lower_peak, simulate
 from remat_fx.passes.peak import estimate as estimate_peak
 from remat_fx.passes.rerun import rerun_for_peak
 from remat_fx.passes.plan import build_plan, record
@@ -69,6 +68,7 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
     def finish(fw, bw, plan, budgeted):
         if options.schedule:
             plan.moved_just_in_time = schedule_recompute(bw, set(plan.recomputed_fx))
+        plan.step_cost_s = sum(cost(n) for g in (fw, bw) for n in g.graph.nodes if n.op == "call_function")
         if options.rerun is True or (options.rerun == "auto" and budgeted):
             bw = _rerun(fw, bw, plan, num_fwd_outputs, cost, options.peak_budget)
         plan.peak = estimate_peak(fw, bw, num_fwd_outputs, inline=options.lower == "inductor")
@@ -99,7 +99,7 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             return (*finish(fw, bw, plan, True), new_tags)
 
         if options.peak_budget is None:
-            fw, bw, plan, tags = cut(budgets)
+            fw, bw, plan, tags = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
         else:
             fw, bw, plan, tags = fit_peak(cut, budgets, options.peak_budget)
     check_follows_tags(joint.names, tags, bw)
@@ -120,7 +120,7 @@ _MIN_GAIN_INDUCTOR = 0.30
 def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap):
     """The backward with values recomputed a second time where that lowers the step's peak."""
     counted, shared, held, _ = backward_inputs(fw, bw, num_fwd_outputs)
-    step_s = sum(cost(n) for g in (fw, bw) for n in g.graph.nodes if n.op == "call_function")
+    step_s = plan.step_cost_s
     # how much time a rerun may cost per byte of peak follows the budget: at fraction 1 a peak
     # fraction for the same time fraction, towards 0 (recompute all that can be) the lowest peak
     weight = 1.0
@@ -133,6 +133,7 @@ def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap):
     plan.backward_flops += report.flops
     plan.recompute_flops += report.flops
     plan.recompute_cost_s += report.cost_s
+    plan.step_cost_s += report.cost_s
     return bw
 
 

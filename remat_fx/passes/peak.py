@@ -255,3 +255,39 @@ def _mark(result, cap, evaluations):
     plan.peak_budget = cap
     plan.peak_evaluations = evaluations
     return result
+
+
+_LOWER_STEPS = (0.95, 0.9, 0.85, 0.8)  # saved-bytes targets tried under the budget's, as its fraction
+
+
+def lower_peak(cut, budgets, first, slack: float):
+    """The peak tie-break of a memory budget: the fastest plan under the budget (``first``, from
+    ``cut(budgets)``) is often one of several of about the same time whose step peaks differ by
+    10-15%, since the solver counts saved bytes, not what is alive together in backward. Lower
+    saved-bytes targets (``_LOWER_STEPS`` of the budget's) are solved while their estimated step
+    time stays within ``slack`` of the fastest plan's; the lowest estimated peak wins (ties: the
+    faster). The report keeps the user's target and notes the one solved for."""
+    from remat_fx.memory_budget import Budget
+
+    plan = first[2]
+    report = plan.budget
+    if slack <= 0 or None not in budgets or report is None or report.solver == "none":
+        return first
+    regions = {k: v for k, v in budgets.items() if k is not None}
+    best, best_target, limit = first, None, plan.step_cost_s * (1 + slack)
+    for f in _LOWER_STEPS:
+        target = int(report.target * f)
+        if target < report.minimum:
+            break
+        result = cut({**regions, None: Budget(nbytes=target)})
+        if result[2].step_cost_s > limit:
+            break
+        if (result[2].peak.step, result[2].step_cost_s) < (best[2].peak.step, best[2].step_cost_s):
+            best, best_target = result, target
+    if best is first:
+        return first
+    chosen = best[2].budget
+    chosen.budget, chosen.target, chosen.lowered_to = report.budget, report.target, best_target
+    chosen.fastest_peak, chosen.fastest_step_s = plan.peak.step, plan.step_cost_s
+    chosen.solve_seconds += report.solve_seconds
+    return best

@@ -49,11 +49,20 @@ class BudgetReport:
     solve_seconds: float
     estimated_cost_s: float  # estimated recompute time of the plan
     regions: Dict[str, "BudgetReport"] = field(default_factory=dict)  # remat.annotate(..., memory_budget=)
+    # the peak tie-break (option peak_slack): the lower target solved for, and the estimated peak
+    # and step time of the fastest plan it replaced
+    lowered_to: Optional[int] = None
+    fastest_peak: int = 0
+    fastest_step_s: float = 0.0
 
     def __str__(self) -> str:
-        return (f"budget {self.budget}: target {fmt_bytes(self.target)}, achieved {fmt_bytes(self.achieved)} "
+        text = (f"budget {self.budget}: target {fmt_bytes(self.target)}, achieved {fmt_bytes(self.achieved)} "
                 f"(feasible {fmt_bytes(self.minimum)} .. {fmt_bytes(self.maximum)}); {self.solver} in "
                 f"{self.solve_seconds * 1e3:.0f} ms, est. recompute {self.estimated_cost_s * 1e3:.3f} ms")
+        if self.lowered_to is not None:
+            text += (f"; solved at {fmt_bytes(self.lowered_to)} for a lower estimated peak (the fastest plan's: "
+                     f"{fmt_bytes(self.fastest_peak)}, est. step {self.fastest_step_s * 1e3:.1f} ms)")
+        return text
 
 
 @dataclass
@@ -66,6 +75,7 @@ class Plan:
     forward_ops: Counter = field(default_factory=Counter)  # aten op name -> count, in the forward graph
     backward_ops: Counter = field(default_factory=Counter)
     recompute_cost_s: float = 0.0  # the cost model's estimate of the recompute's time
+    step_cost_s: float = 0.0  # the cost model's estimate of the whole step (forward and backward graphs)
     cost_model: str = ""
     budget: Optional[BudgetReport] = None
     forward_flops: int = 0
