@@ -57,7 +57,8 @@ class BackendOptions:
 
     def key(self) -> tuple:
         """What changes the compiled result (for Inductor's cache)."""
-        return (self.save, self.recompute, self.lower, self.schedule, self.rerun, self.peak_slack, repr(self.memory_budget), self.peak_budget,
+        return (self.save, self.recompute, self.lower, self.schedule, self.rerun, self.peak_slack,
+                repr(self.memory_budget), self.peak_budget,
                 self.cost_model, self.roofline, self.solver, self.solver_time_limit)
 
 
@@ -115,6 +116,7 @@ def parse_options(options) -> BackendOptions:
                          f"got {limit!r}")
     globs = NameGlobs(save=options.get("save"), recompute=options.get("recompute"))
     return BackendOptions(save=globs.save, recompute=globs.recompute, lower=lower, report=report,
-                          schedule=schedule, rerun=rerun, peak_slack=float(slack), memory_budget=budget, peak_budget=None if peak is None else peak.nbytes,
+                          schedule=schedule, rerun=rerun, peak_slack=float(slack), memory_budget=budget,
+                          peak_budget=None if peak is None else peak.nbytes,
                           cost_model=cost_model, roofline=roofline, solver=solver,
                           solver_time_limit=float(limit), globs=globs)

@@ -14,6 +14,10 @@ until that op instead (``inline``). Measured on the example GPT this brings the 
 8-35% off Inductor's peak to a few percent; what it still misses are Inductor's own rewrites
 (e.g. an mm moved into an addmm at the end of the backward) and buffers that fused kernels or
 fallback ops allocate inside.
+
+Two searches use the estimate: ``fit_peak`` (option peak_budget: the fastest plan under a peak)
+and ``lower_peak`` (option peak_slack: under a memory budget, the lowest peak among plans within
+a small slack of the fastest plan's estimated step time).
 """
 from __future__ import annotations
 
