@@ -28,6 +28,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 import torch
 import torch.fx as fx
 
+from remat_fx.memory_budget import Budget, fmt_bytes
 from remat_fx.passes.capture import storage_base
 from remat_fx.passes.cost import concrete, fusible
 
@@ -208,13 +209,10 @@ def fit_peak(cut, budgets, cap: int):
     tried from the largest allowed down a grid (the peak falls with them until too little is saved to
     cut the recompute chains, then rises), then bisected between the last plan over the cap and the
     first under it. ``cut(budgets)`` returns (fw, bw, plan, tags)."""
-    from remat_fx.memory_budget import Budget, fmt_bytes
-
     first = cut(budgets)
     if first[2].peak.step <= cap:
         return _mark(first, cap, 1)
-    regions = {k: v for k, v in budgets.items() if k is not None}
-    probe = cut({**regions, None: Budget(fraction=0.0)})
+    probe = cut(_overall(budgets, Budget(fraction=0.0)))
     lo, top = probe[2].budget.minimum, probe[2].budget.maximum
     if None in budgets:
         top = min(top, budgets[None].target(lo, top))
@@ -225,7 +223,7 @@ def fit_peak(cut, budgets, cap: int):
         if f == 0.0:
             result = probe  # the fewest saved bytes: already cut
         else:
-            result = cut({**regions, None: Budget(nbytes=target)})
+            result = cut(_overall(budgets, Budget(nbytes=target)))
             evaluations += 1
         tried.append((target, result))
         if result[2].peak.step <= cap:
@@ -245,13 +243,18 @@ def fit_peak(cut, budgets, cap: int):
         mid = (good_target + above) // 2
         if mid <= good_target or mid >= above:
             break
-        result = cut({**regions, None: Budget(nbytes=mid)})
+        result = cut(_overall(budgets, Budget(nbytes=mid)))
         evaluations += 1
         if result[2].peak.step <= cap:
             good_target, good = mid, result
         else:
             above = mid
     return _mark(good, cap, evaluations)
+
+
+def _overall(budgets, budget: Budget):
+    """``budgets`` with the overall (non-region) budget replaced by ``budget``."""
+    return {**{k: v for k, v in budgets.items() if k is not None}, None: budget}
 
 
 def _mark(result, cap, evaluations):
@@ -271,19 +274,16 @@ def lower_peak(cut, budgets, first, slack: float):
     saved-bytes targets (``_LOWER_STEPS`` of the budget's) are solved while their estimated step
     time stays within ``slack`` of the fastest plan's; the lowest estimated peak wins (ties: the
     faster). The report keeps the user's target and notes the one solved for."""
-    from remat_fx.memory_budget import Budget
-
     plan = first[2]
     report = plan.budget
     if slack <= 0 or None not in budgets or report is None or report.solver == "none":
         return first
-    regions = {k: v for k, v in budgets.items() if k is not None}
     best, best_target, limit = first, None, plan.step_cost_s * (1 + slack)
     for f in _LOWER_STEPS:
         target = int(report.target * f)
         if target < report.minimum:
             break
-        result = cut({**regions, None: Budget(nbytes=target)})
+        result = cut(_overall(budgets, Budget(nbytes=target)))
         if result[2].step_cost_s > limit:
             break
         if (result[2].peak.step, result[2].step_cost_s) < (best[2].peak.step, best[2].step_cost_s):

@@ -144,11 +144,12 @@ class _State:
 
 def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str], held: int, floor: int,
                    cost: Callable[[fx.Node], float], step_s: float, cap: Optional[int] = None,
-                   weight: float = 1.0, min_gain: float = 0.0, inline: bool = False, max_closure: int = 256, tries: int = 6,
-                   patience: int = 40, max_reruns: int = 2000):
-    """(backward graph with the reruns, RerunReport); ``bw`` itself is left as it was. ``counted``/``shared``: as passes/peak.simulate; ``held``: bytes the
-    forward leaves alive beyond the backward's inputs (its other outputs); ``floor``: the forward's
-    peak (the step's peak cannot fall below it); ``step_s``: the cost model's time of the whole step
+                   weight: float = 1.0, min_gain: float = 0.0, inline: bool = False, max_closure: int = 256,
+                   tries: int = 6, patience: int = 40, max_reruns: int = 2000):
+    """(backward graph with the reruns, RerunReport); ``bw`` itself is left as it was.
+    ``counted``/``shared``: as passes/peak.simulate; ``held``: bytes the forward leaves alive beyond
+    the backward's inputs (its other outputs); ``floor``: the forward's peak (the step's peak cannot
+    fall below it); ``step_s``: the cost model's time of the whole step
     (forward and backward), against which a rerun's time is weighed (to the power ``weight``: 1 trades
     a fraction of peak for the same fraction of step time, 0 takes the lowest peak found); ``cap``: a
     peak_budget; ``min_gain``: without a cap, reruns are kept only if they lower the estimated peak by
