@@ -170,6 +170,38 @@ def test_rerun_recomputes_a_held_value_just_before_its_late_use():
     assert none.reruns == 0
 
 
+def test_rerun_under_inductor_copies_the_inlined_op_a_late_reader_reads_through():
+    """Under Inductor's liveness a cheap pointwise op read by two kernels (h) is computed inside
+    each, so the value it reads (r1) stays alive until h's last reader, past the peak. The rerun
+    copies r1 *and* h just before that reader (h alone would still read the held r1)."""
+    from remat_fx.passes.rerun import RERUN, rerun_for_peak
+
+    g = fx.Graph()
+    a, t = g.placeholder("a"), g.placeholder("tangents_1")
+    aten = torch.ops.aten
+    r1 = g.call_function(aten.mm.default, (a, a))  # materialised (an extern kernel), held
+    h = g.call_function(aten.mul.Tensor, (r1, r1))  # early, read by e (early) and o2 (late): inlined
+    e = g.call_function(aten.neg.default, (h,))
+    g1 = g.call_function(aten.mm.default, (t, e))
+    g2 = g.call_function(aten.mm.default, (g1, t))  # the peak: t, r1, g1, g2
+    o2 = g.call_function(aten.sub.Tensor, (g2, h))
+    g.output((g.call_function(aten.mm.default, (o2, o2)),))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    for node in gm.graph.nodes:
+        node.meta["val"] = torch.empty(4, 4)
+    n = 4 * 4 * 4
+    assert _inlined(gm) == {"mul_tensor"}
+    assert simulate(gm, {"tangents_1"}, inline=True)[0] == 4 * n
+    new, report = rerun_for_peak(gm, {"tangents_1"}, {}, 0, 0, lambda node: 1e-6, step_s=1e-3, inline=True)
+    order = [(node.target, bool(node.meta.get(RERUN))) for node in new.graph.nodes if node.op == "call_function"]
+    assert order[-4:] == [(aten.mm.default, True), (aten.mul.Tensor, True), (aten.sub.Tensor, False),
+                          (aten.mm.default, False)], order
+    assert report.reruns == 1 and report.names == ["mm_default"]
+    assert simulate(new, {"tangents_1"}, inline=True)[0] == 3 * n == report.peak_after
+    x, tt = torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(new(x, tt), gm(x, tt))
+
+
 def _grads(model, inputs, fn):
     model.zero_grad(set_to_none=True)
     fn(*inputs).backward()
@@ -277,8 +309,6 @@ def test_inductor_liveness_computes_lone_pointwise_ops_inside_their_reader():
     """Under Inductor a pointwise op read by one fusible op is computed inside that op's kernel (no
     buffer of its own, its inputs live until that op); one read by an extern kernel (mm), even
     through a view, is materialised."""
-    from remat_fx.passes.peak import inlinable
-
     g = fx.Graph()
     a, w = g.placeholder("a"), g.placeholder("w")
     s = g.call_function(torch.ops.aten.sin.default, (a,))  # read by cos only: inlined
@@ -290,18 +320,54 @@ def test_inductor_liveness_computes_lone_pointwise_ops_inside_their_reader():
     gm = fx.GraphModule(torch.nn.Module(), g)
     for node in gm.graph.nodes:
         node.meta["val"] = torch.empty(4, 1) if node.name in ("w", "mm_default", "exp_default") else torch.empty(4, 4)
-    assert [inlinable(n) for n in (s, c, v, m, e)] == [True, False, False, False, False]
+    assert _inlined(gm) == {"sin_default"}
     n, small = 4 * 4 * 4, 4 * 4
     # op by op (inputs not counted): at cos, {sin, cos} is the peak
     assert simulate(gm, set()) == (2 * n, small)
     # inlined: sin takes nothing; the peak is cos and mm's output
     assert simulate(gm, set(), inline=True) == (n + small, small)
-    # `a` counted: it lives until cos, which reads it through sin
-    assert simulate(gm, {"a"}, inline=True) == (2 * n, small)
+    # `a` counted (a saved activation, donated to the backward): it lives until cos, which reads it
+    # through sin and, of its size and dying there, is written over it (in place)
+    assert simulate(gm, {"a"}, inline=True) == (n + small, small)
+    assert simulate(gm, {"a"}) == (2 * n, small)  # op by op: a, sin at sin
     x, wt = torch.randn(4, 4), torch.randn(4, 1)
     torch.testing.assert_close(gm(x, wt)[0], torch.exp(torch.cos(torch.sin(x)) @ wt))
 
 
+def _inlined(gm):
+    from remat_fx.passes.peak import inlined_nodes
+
+    return {n.name for n in inlined_nodes(gm.graph.nodes, lambda n: n.all_input_nodes, lambda n: n.users)}
+
+
+def test_inductor_liveness_recomputes_cheap_shared_pointwise_ops_in_each_reader():
+    """A pointwise op read by several fusible ops is computed again inside each (as Inductor does
+    on reuse) unless its body, with what is inlined into it, uses exp/log/tanh/sigmoid (on CPU) or
+    reads more than Inductor's realize_reads_threshold buffers: those are materialised."""
+    from torch._inductor import config
+
+    g = fx.Graph()
+    xs = [g.placeholder(f"x{i}") for i in range(6)]
+    aten = torch.ops.aten
+
+    def op(target, *args):
+        return g.call_function(target, args)
+
+    cheap = op(aten.mul.Tensor, xs[0], xs[1])  # read twice: recomputed in both readers
+    shifted = op(aten.add.Tensor, cheap, xs[2])  # one reader (the exp): inlined into it
+    heavy = op(aten.exp.default, shifted)  # read twice, a heavy body: materialised
+    wide = xs[0]
+    for x in xs[1:]:  # a chain of adds, each read once, ending in a node read twice
+        wide = op(aten.add.Tensor, wide, x)
+    outs = [op(aten.neg.default, cheap), op(aten.sin.default, cheap), op(aten.neg.default, heavy),
+            op(aten.cos.default, heavy), op(aten.neg.default, wide), op(aten.sin.default, wide)]
+    g.output(tuple(outs))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    for node in gm.graph.nodes:
+        node.meta["val"] = torch.empty(4, 4)
+    wide_name, chain = wide.name, {n.name for n in gm.graph.nodes if n.target is aten.add.Tensor} - {"add_tensor"}
+    assert config.realize_reads_threshold == 4  # the chain below reads 6 buffers
+    assert _inlined(gm) == {"mul_tensor", "add_tensor"} | (chain - {wide_name})
 # -- peak tie-break: among plans of about the same time under the budget, the lowest peak -------
 
 def test_peak_slack_picks_the_lowest_estimated_peak_within_the_slack():
@@ -333,6 +399,59 @@ def test_peak_slack_picks_the_lowest_estimated_peak_within_the_slack():
         else:
             assert plan.peak.step == fast.peak.step and plan.total_bytes == fast.total_bytes
     assert lowered > 0
+
+
+def test_inductor_liveness_writes_a_pointwise_output_over_an_input_dying_there():
+    """Inductor writes a pointwise kernel's output over an input of the same size that dies in that
+    kernel (saved activations are donated to the backward): not over one still read later, nor over
+    one of another size."""
+    aten = torch.ops.aten
+
+    def graph(read_a_later: bool):
+        g = fx.Graph()
+        a, c, w = g.placeholder("a"), g.placeholder("c"), g.placeholder("w")
+        s = g.call_function(aten.add.Tensor, (a, c))  # a: 4x4, c: 4x1 (broadcast); read by mm: a buffer
+        m = g.call_function(aten.mm.default, (s, w))
+        g.output((g.call_function(aten.mul.Tensor, (m, a)) if read_a_later else m,))
+        gm = fx.GraphModule(torch.nn.Module(), g)
+        for node in gm.graph.nodes:
+            big = node.name in ("a", "add_tensor", "mul_tensor")
+            node.meta["val"] = torch.empty(4, 4) if big else torch.empty(4, 1)
+        return gm
+
+    n, small = 4 * 4 * 4, 4 * 4
+    # at the add: a (written over by the add's output) and c; then the add's output and mm's
+    assert simulate(graph(False), {"a", "c"}, inline=True)[0] == n + small
+    assert simulate(graph(False), {"a", "c"})[0] == 2 * n + small  # op by op: a, c and the add's output
+    # a read again by the last op: not written over
+    assert simulate(graph(True), {"a", "c"}, inline=True)[0] == 2 * n + small
+
+
+def test_inductor_liveness_runs_an_mm_read_by_an_add_as_an_addmm():
+    """Inductor folds ``mm(a, b) + c`` into one addmm at the add (post-grad pass): the mm's output
+    takes no memory of its own and its inputs stay alive until the add. An mm with another reader
+    is left alone."""
+    aten = torch.ops.aten
+    g = fx.Graph()
+    a, b, c = g.placeholder("a"), g.placeholder("b"), g.placeholder("c")
+    m1 = g.call_function(aten.mm.default, (a, b))  # read by the add only: folded into it
+    w = g.call_function(aten.exp.default, (c,))  # between the mm and the add; read twice, heavy: a buffer
+    s1 = g.call_function(aten.add.Tensor, (w, m1))
+    m2 = g.call_function(aten.mm.default, (s1, s1))  # read twice: an mm of its own
+    s2 = g.call_function(aten.add.Tensor, (m2, w))
+    g.output((g.call_function(aten.mm.default, (s2, m2)),))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    for node in gm.graph.nodes:
+        node.meta["val"] = {"a": torch.empty(4, 16), "b": torch.empty(16, 4)}.get(node.name, torch.empty(4, 4))
+    assert _inlined(gm) == {"mm_default"}
+    n = 4 * 4 * 4
+    # `a` (4n, counted) lives until the add that runs the mm: at the add a, w and s1 are alive
+    assert simulate(gm, {"a"}, inline=True)[0] == 6 * n
+    assert simulate(gm, {"a"})[0] == 5 * n  # op by op `a` dies at the mm (the peak: a and its output)
+    x = [torch.randn(4, 16), torch.randn(16, 4), torch.randn(4, 4)]
+    s1v = torch.exp(x[2]) + x[0] @ x[1]
+    m2v = s1v @ s1v
+    torch.testing.assert_close(gm(*x)[0], (m2v + torch.exp(x[2])) @ m2v)
 
 
 def test_peak_slack_option():

@@ -8,12 +8,14 @@ and frees each saved tensor after its last use (both lowerings clear the boxed a
 The step's incremental peak is the larger of the forward's and the backward's (the forward's
 other outputs, like the loss, held through the backward).
 
-Under the Inductor lowering the graphs are not run op by op: a pointwise op read by a single
-fusible op is computed inside that op's kernel, so it takes no memory and its inputs stay alive
-until that op instead (``inline``). Measured on the example GPT this brings the estimate from
-8-35% off Inductor's peak to a few percent; what it still misses are Inductor's own rewrites
-(e.g. an mm moved into an addmm at the end of the backward) and buffers that fused kernels or
-fallback ops allocate inside.
+Under the Inductor lowering the graphs are not run op by op (``inlined_nodes``): a pointwise op
+whose readers are all fusible is computed inside them (no memory of its own; its inputs stay alive
+until its last reader), unless Inductor materialises it on reuse (several readers and a heavy body
+or many reads); an mm read only by an add runs as that add's addmm; a pointwise kernel writes its
+output over an input of its size that dies there (``_in_place``). These follow Inductor's own
+rules, checked against the buffers of the code it generates. Inductor's buffer reuse (a dead
+buffer kept for a later one of its size, up to Inductor's own estimate of the peak) is not
+modelled: with a memory or peak budget passes/lower.py turns it off.
 
 Two searches use the estimate: ``fit_peak`` (option peak_budget: the fastest plan under a peak)
 and ``lower_peak`` (option peak_slack: under a memory budget, the lowest peak among plans within
@@ -81,13 +83,92 @@ def readers(x, users: Callable, src: Callable = lambda n: n) -> Optional[list]:
     return found
 
 
-def inlinable(node: fx.Node, users: Callable = lambda n: n.users, src: Callable = lambda n: n, x=None) -> bool:
-    """Under Inductor, an ``inlinable_op`` read by at most one fusible op (through views) is computed
-    inside that op's kernel and never materialised. ``x``: what stands for ``node`` in ``users``."""
-    if not inlinable_op(node):
-        return False
-    found = readers(node if x is None else x, users, src)
-    return found is not None and len(found) <= 1 and all(fusible(src(u)) for u in found)
+def inlined_nodes(order: Iterable, inputs: Callable, users: Callable, src: Callable = lambda n: n) -> Set:
+    """What Inductor computes inside its readers' kernels instead of materialising (the ``inline``
+    liveness), over a program in topological ``order`` (FX nodes, or passes/rerun.py's items: ``src(x)``
+    the FX node ``x`` stands for, ``inputs(x)``/``users(x)`` its producers/readers there).
+
+    An ``inlinable_op`` whose readers (through views) are all fusible ops is inlined when there is
+    one reader; with several, it is computed again in each unless Inductor realises it on reuse
+    (torch/_inductor/ir.py ``should_realize_on_reuse``): a reduction, or a pointwise body (the op and
+    what is inlined into it) that reads more than ``realize_reads_threshold`` buffers or, on CPU,
+    uses one of the transcendental ops Inductor will not recompute there."""
+    from torch._inductor import config
+
+    inlined: Set = set()
+    body_of: Dict[object, Tuple[bool, Set]] = {}  # (has a heavy op, buffers read) of inlined bodies
+    addmm: Set = set()  # adds that take in an mm: an addmm kernel of their own
+    for x in order:
+        node = src(x)
+        into = _addmm_reader(x, node, users, src)
+        if into is not None:  # the mm runs inside the add's addmm: at the add, reading its inputs there
+            inlined.add(x)
+            addmm.add(into)
+            continue
+        if not inlinable_op(node) or x in addmm:
+            continue
+        found = readers(x, users, src)
+        if found is None or not all(fusible(src(u)) for u in found):
+            continue
+        if len(found) <= 1:
+            inlined.add(x)
+        elif pointwise_op(node):
+            heavy, reads = _body(x, node, inputs, src, inlined, body_of)
+            if not (heavy and _on_cpu(node)) and len(reads) <= config.realize_reads_threshold:
+                inlined.add(x)
+        if x in inlined:
+            body_of[x] = _body(x, node, inputs, src, inlined, body_of)
+    return inlined
+
+
+def _addmm_reader(x, node: fx.Node, users: Callable, src: Callable):
+    """The add ``x`` (an mm) is folded into, as Inductor's post-grad pass does on CPU (``mm(a, b) + c``
+    -> ``addmm(c, a, b)``, when the mm has no other reader and ``c`` is a tensor of its dtype); else None."""
+    if node.target is not torch.ops.aten.mm.default or not _on_cpu(node):
+        return None
+    found = list(users(x))
+    if len(found) != 1 or src(found[0]).target is not torch.ops.aten.add.Tensor:
+        return None
+    add = src(found[0])
+    if len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1 or add.args[0] is add.args[1]:
+        return None
+    other = add.args[1] if add.args[0] is node else add.args[0]
+    val, mine = getattr(other, "meta", {}).get("val"), node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not isinstance(mine, torch.Tensor) or val.dtype != mine.dtype:
+        return None
+    return found[0]
+
+
+_HEAVY = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"})  # ir.py's list for CPU
+
+
+def _body(x, node: fx.Node, inputs: Callable, src: Callable, inlined: Set, body_of: dict) -> Tuple[bool, Set]:
+    heavy = node.target.overloadpacket.__name__ in _HEAVY
+    reads: Set = set()
+    for m in inputs(x):
+        if m in inlined:
+            h, r = body_of[m]
+            heavy, reads = heavy or h, reads | r
+        else:
+            reads.add(storage_base(src(m)))
+    return heavy, reads
+
+
+def pointwise_op(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+        and torch.Tag.pointwise in node.target.tags and not node.target.is_view
+
+
+def own_buffer(key) -> bool:
+    """A storage Inductor may write over: one of its buffers or a donated graph input, not the
+    output of an op returning several tensors."""
+    node = getattr(key, "src", key)
+    return not isinstance(node, fx.Node) or node.op == "placeholder" or node.target is not operator.getitem
+
+
+def _on_cpu(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return not isinstance(val, torch.Tensor) or val.device.type == "cpu"
 
 
 def reads_through(x, inputs: Callable, inlined: Set, memo: dict) -> Set:
@@ -104,11 +185,13 @@ def reads_through(x, inputs: Callable, inlined: Set, memo: dict) -> Set:
     return found
 
 
-def liveness(n: int, storages: Dict[object, Tuple[int, int]], reads: List[Iterable], outputs: Set) -> tuple:
+def liveness(n: int, storages: Dict[object, Tuple[int, int]], reads: List[Iterable], outputs: Set,
+             writers: Optional[Set] = None) -> tuple:
     """(bytes live at each of positions 0..n, last use of each storage) of a program of ``n``
     positions: ``storages`` {key: (position allocated, bytes)}, ``reads[i]`` the keys position ``i``
     reads (its own output included), ``outputs`` the keys alive to the end (position ``n``). A
-    storage is alive from its allocation while its last reader runs."""
+    storage is alive from its allocation while its last reader runs. ``writers`` (Inductor): the
+    storages its pointwise kernels make, which may be written in place (``_in_place``)."""
     last: Dict[object, int] = {k: start for k, (start, _) in storages.items()}
     for i, keys in enumerate(reads):
         for k in keys:
@@ -116,9 +199,10 @@ def liveness(n: int, storages: Dict[object, Tuple[int, int]], reads: List[Iterab
                 last[k] = i
     for k in outputs:
         last[k] = n
+    starts = _in_place(storages, reads, last, writers) if writers else {}
     events = [0] * (n + 2)
     for k, (start, nbytes) in storages.items():
-        events[start] += nbytes
+        events[starts.get(k, start)] += nbytes
         events[last[k] + 1] -= nbytes
     live, acc = [], 0
     for i in range(n + 1):
@@ -127,18 +211,38 @@ def liveness(n: int, storages: Dict[object, Tuple[int, int]], reads: List[Iterab
     return live, last
 
 
+def _in_place(storages, reads, last, writers: Set) -> Dict[object, int]:
+    """Inductor writes a pointwise kernel's output over an input of the same size that dies in
+    that kernel (``inplace_buffers``; saved activations are donated to the backward, so they
+    qualify): the output takes no memory of its own until the input's is free. {storage: position
+    its own memory starts} for the outputs written in place."""
+    moved: Dict[object, int] = {}
+    taken: Set = set()
+    for k in writers:
+        start, nbytes = storages[k]
+        if not nbytes:
+            continue
+        for r in reads[start]:
+            if r is not k and r not in taken and last[r] == start and storages[r][1] == nbytes \
+                    and storages[r][0] < start and own_buffer(r):
+                taken.add(r)
+                moved[k] = start + 1
+                break
+    return moved
+
+
 def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,
              inline: bool = False) -> tuple:
     """(peak bytes, bytes live at the end) of running ``gm`` op by op; placeholders named in
     ``counted_inputs`` are live from the start (and freed after their last use), others are free.
     ``shared`` maps placeholder names to a storage key: placeholders that are views of one storage
     (saved views of one forward tensor) count once, until the last use of any of them. ``inline``
-    (the Inductor lowering): ``inlinable`` nodes take no memory, and their inputs live until the
+    (the Inductor lowering): ``inlined_nodes`` take no memory, and their inputs live until the
     user they are computed inside."""
     counted, shared = set(counted_inputs), shared or {}
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
     index = {n: i for i, n in enumerate(nodes)}
-    inlined = {n for n in nodes if inline and inlinable(n)}
+    inlined = inlined_nodes(nodes, lambda n: n.all_input_nodes, lambda n: n.users) if inline else set()
 
     def key(node: fx.Node):
         base = storage_base(node)
@@ -157,7 +261,8 @@ def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dic
     outputs: Set[object] = set()
     fx.node.map_arg(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args,
                     lambda n: outputs.add(key(n)))
-    live, _ = liveness(len(nodes), storages, reads, outputs)
+    writers = {key(n) for n in nodes if n not in inlined and pointwise_op(n)} if inline else None
+    live, _ = liveness(len(nodes), storages, reads, outputs, writers)
     return max(live), sum(storages[k][1] for k in outputs if k in storages)
 
 

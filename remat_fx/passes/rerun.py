@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from remat_fx.passes.capture import is_random
 from remat_fx.passes.cost import flops
-from remat_fx.passes.peak import allocation, inlinable, inlinable_op, is_view, liveness, reads_through
+from remat_fx.passes.peak import allocation, inlined_nodes, is_view, liveness, pointwise_op, reads_through
 
 RERUN = "remat_fx.rerun"
 
@@ -83,8 +83,6 @@ class _Program:
                 reads_tangent.add(node)
         self.rerunnable = {n for n in made if n not in reads_tangent and _rerunnable(n)}
         self.counted, self.shared, self.inline = counted, shared, inline
-        # what inlining depends on besides the (changing) users: the op itself
-        self.inlinable_op = {n for n in made if inline and inlinable_op(n)}
 
     def root(self, item: _Item, memo: dict):
         found = memo.get(item)
@@ -113,8 +111,7 @@ class _Program:
             for item in items:
                 for m in item.ins.values():
                     users.setdefault(m, []).append(item)
-            inlined = {item for item in items if item.src in self.inlinable_op
-                       and inlinable(item.src, lambda x: users.get(x, ()), lambda x: x.src, item)}
+            inlined = inlined_nodes(items, lambda x: x.ins.values(), lambda x: users.get(x, ()), lambda x: x.src)
         storages: Dict[object, tuple] = {}
         for item, r in zip(items, roots):
             if r not in storages:
@@ -130,10 +127,12 @@ class _Program:
                 uses.setdefault(k, []).append(i)
             reads.append(keys | {roots[i]})
         outputs = {self.root(m, memo) for m in items[end].ins.values()}
-        live, last = liveness(end, storages, reads[:end], outputs)
+        writers = {roots[i] for i, item in enumerate(items[:end]) if item not in inlined and pointwise_op(item.src)} \
+            if self.inline else None
+        live, last = liveness(end, storages, reads[:end], outputs, writers)
         start = {k: v[0] for k, v in storages.items()}
         size = {k: v[1] for k, v in storages.items()}
-        return live, roots, start, last, uses, size
+        return live, roots, start, last, uses, size, inlined
 
 
 @dataclass
@@ -172,9 +171,9 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     best = (cur.peak, 0)
     stale, spent = 0, 0.0
     while len(history) < max_reruns and cur.peak > floor and stale < patience:
-        live, roots, start, last, uses, size = sim
+        live, roots, start, last, uses, size, inlined = sim
         t_star = max(range(len(live)), key=lambda i: (live[i], -i))
-        candidates = _candidates(prog, live, roots, start, last, uses, size, t_star, cost, max_closure)
+        candidates = _candidates(prog, live, roots, start, last, uses, size, inlined, t_star, cost, max_closure)
         taken = None
         for score, root, plan in candidates[:tries]:
             before = prog.items
@@ -222,7 +221,7 @@ def _prefix(history, peak0: int, step_s: float, cap, weight: float, min_gain: fl
     return k if k and history[k - 1][1].peak <= (1 - min_gain) * peak0 else 0
 
 
-def _candidates(prog: _Program, live, roots, start, last, uses, size, t_star, cost, max_closure):
+def _candidates(prog: _Program, live, roots, start, last, uses, size, inlined, t_star, cost, max_closure):
     """(score, root, plan) for values held across ``t_star`` but not used there, best first."""
     items = prog.items
     used_here = {roots[i] for i in [t_star]} | {prog.root(m, {}) for m in items[t_star].ins.values()}
@@ -241,7 +240,8 @@ def _candidates(prog: _Program, live, roots, start, last, uses, size, t_star, co
             continue
         u = later[0]
         late_users = [items[i] for i in sorted(set(later))]
-        need = {m for user in late_users for m in user.ins.values() if roots[index[id(m)]] is r}
+        rewired = set(late_users)  # they read the copies; an inlined op among them need not be copied
+        need = {m for user in late_users for m in user.ins.values() if _reaches(m, r, roots, index, inlined, rewired)}
         closure: Dict[_Item, None] = {}
         stack, extended, ok = list(need), {}, True
         while stack:
@@ -250,8 +250,8 @@ def _candidates(prog: _Program, live, roots, start, last, uses, size, t_star, co
                 continue
             i = index[id(item)]
             root = roots[i]
-            if root is not r and i < u and last[root] >= u:
-                continue  # alive at u anyway
+            if root is not r and i < u and last[root] >= u and item not in inlined:
+                continue  # alive at u anyway (an inlined op is not: it is computed inside each reader)
             if item.src not in prog.rerunnable:
                 extended[root] = size[root] if start[root] <= t_star and last[root] < t_star else 0
                 continue  # kept alive until u (a saved tensor, a parameter)
@@ -260,7 +260,7 @@ def _candidates(prog: _Program, live, roots, start, last, uses, size, t_star, co
                 ok = False
                 break
             stack.extend(item.ins.values())
-        if not ok:
+        if not ok or any(m not in closure for m in need):  # e.g. an inlined op that reads a tangent
             continue
         freed = size[r] - sum(extended.values())
         if freed <= 0:
@@ -272,6 +272,15 @@ def _candidates(prog: _Program, live, roots, start, last, uses, size, t_star, co
                                                   "nodes": nodes}))
     out.sort(key=lambda c: -c[0])
     return out
+
+
+def _reaches(m: _Item, r, roots, index, inlined, rewired) -> bool:
+    """Whether reading ``m`` reads the storage ``r``: ``m`` is (a view of) it, or an inlined op (not
+    itself rewired to the copies) computed inside its reader from a chain that reads it."""
+    if roots[index[id(m)]] is r:
+        return True
+    return m in inlined and m not in rewired and any(_reaches(x, r, roots, index, inlined, rewired)
+                                                     for x in m.ins.values())
 
 
 def _apply(items: List[_Item], plan) -> List[_Item]:
