@@ -8,6 +8,7 @@ graphs op by op.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import pathlib
@@ -54,22 +55,31 @@ def _run_eagerly(gm, example_inputs):
 
 
 class _KeepRerunsLate:
-    """Inductor's fusion choices, except that a kernel holding a rerun (passes/rerun.py: a value
-    recomputed a second time just before its late use) is not fused into a kernel that runs well
-    before it: a fused kernel runs at its earliest member's place, which would compute the rerun
-    early and hold it, as the first copy was. Everything else is asked of the choices in effect."""
+    """Inductor's fusion choices, except that no two kernels fuse across a rerun (passes/rerun.py: a
+    value recomputed a second time just before its late use) when they lie well apart. A fused kernel
+    runs at its earliest member's place, once all it reads is ready: fused across a rerun, either the
+    rerun is computed early and held, as the first copy was, or a reader of the first copy runs after
+    the rerun, and both copies are alive at once (measured, example GPT at budget 0: 24.3 -> 28.1 MiB).
+    Everything else is asked of the choices in effect."""
 
     _NEAR = 8  # scheduler positions: a fusion this close moves nothing far
 
     def __init__(self, prior):
         self._prior = prior
+        self._reruns = {}  # id(scheduler) -> sorted scheduler positions of the rerun nodes
 
     def __getattr__(self, name):
         return getattr(self._prior, name)
 
     def can_fuse(self, scheduler, node1, node2, shared_data_score):
-        for late, early in ((node1, node2), (node2, node1)):
-            if late.min_order - early.max_order > self._NEAR and _has_rerun(late):
+        early, late = sorted((node1, node2), key=lambda n: n.min_order)
+        if late.min_order - early.max_order > self._NEAR:
+            positions = self._reruns.get(id(scheduler))
+            if positions is None:  # the positions of single nodes never change while fusing
+                positions = self._reruns[id(scheduler)] = sorted(
+                    snode.min_order for group in scheduler.nodes for snode in group.get_nodes() if _has_rerun(snode))
+            i = bisect.bisect_right(positions, early.max_order)
+            if i < len(positions) and positions[i] <= late.max_order:
                 return False
         return self._prior.can_fuse(scheduler, node1, node2, shared_data_score)
 
