@@ -32,9 +32,10 @@ _DOC = {
     "schedule": "move each recomputed node to just before its first backward use (default True)",
     "rerun": "recompute a value a second time in backward where holding it would set the step's peak: "
              "'auto' (default: with a memory_budget or peak_budget), True or False",
-    "peak_slack": "with a memory_budget, the fraction of estimated step time the plan may add to lower the "
-                  "step's estimated peak: saved-bytes targets 5-20% under the budget's are tried and the lowest "
-                  "peak within this slack of the fastest plan kept (default 0.02; 0 = the fastest plan)",
+    "peak_slack": "with a memory_budget above its feasible minimum, the fraction of the fastest plan's "
+                  "estimated step time that may be spent to lower the step's estimated peak: by reruns and by "
+                  "saving less than the budget allows (default 0.03; 0 = the fastest plan, no reruns). At the "
+                  "minimum (budget 0) and with a peak_budget the reruns are not limited by time",
 }
 
 
@@ -46,7 +47,7 @@ class BackendOptions:
     report: bool = False
     schedule: bool = True
     rerun: object = "auto"  # "auto", True or False
-    peak_slack: float = 0.02
+    peak_slack: float = 0.03
     memory_budget: Optional[Budget] = None
     peak_budget: Optional[int] = None
     cost_model: str = "auto"
@@ -88,7 +89,7 @@ def parse_options(options) -> BackendOptions:
     rerun = options.get("rerun", "auto")
     if rerun not in ("auto", True, False) or (rerun == 1 and not isinstance(rerun, bool)):
         raise ValueError(f"backend 'remat': option 'rerun' must be 'auto', True or False, got {rerun!r}")
-    slack = options.get("peak_slack", 0.02)
+    slack = options.get("peak_slack", BackendOptions.peak_slack)
     if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack < 1:
         raise ValueError(f"backend 'remat': option 'peak_slack' must be a fraction of step time in [0, 1), e.g. "
                          f"0.01 (1%), got {slack!r}")

@@ -150,7 +150,7 @@ def test_rerun_recomputes_a_held_value_just_before_its_late_use():
     want = gm(x, t)
     n = 4 * 4 * 4
     assert simulate(gm, {"tangents_1"}) == (4 * n, n)  # at g1: t, r1, r2, g1
-    new, report = rerun_for_peak(gm, {"tangents_1"}, {}, 0, 0, lambda node: 1e-6, step_s=1e-3)
+    new, report = rerun_for_peak(gm, {"tangents_1"}, {}, 0, 0, lambda node: 1e-6)
     order = [(node.name, node.meta.get(RERUN, False)) for node in new.graph.nodes if node.op == "call_function"]
     assert order == [("sin_default", False), ("cos_default", False), ("mul_tensor", False),
                      ("mul_tensor_1", False), ("sin_default_rerun1", True), ("add_tensor", False)]
@@ -159,14 +159,19 @@ def test_rerun_recomputes_a_held_value_just_before_its_late_use():
     assert report.names == ["sin_default"]
     torch.testing.assert_close(new(x, t), want)
     assert [node.name for node in gm.graph.nodes][2] == "sin_default"  # the input graph is left as it was
-    # a rerun that costs more (relative to the step) than the peak it removes is not kept
-    same, none = rerun_for_peak(gm, {"tangents_1"}, {}, 0, 0, lambda node: 1.0, step_s=1e-3)
-    assert none.reruns == 0 and same is gm
+    # a rerun whose recompute does not fit the time allowance is not made; one that fits is
+    same, none = rerun_for_peak(gm, {"tangents_1"}, {}, 0, 0, lambda node: 1.0, allowance=0.99)
+    assert none.reruns == 0 and same is gm and none.allowance_s == 0.99
+    _, fits = rerun_for_peak(gm, {"tangents_1"}, {}, 0, 0, lambda node: 1.0, allowance=1.0)
+    assert (fits.reruns, fits.cost_s, fits.peak_after) == (1, 1.0, 3 * n)
+    # ... nor one that lowers the peak by less than min_gain (here 25%)
+    _, small = rerun_for_peak(gm, {"tangents_1"}, {}, 0, 0, lambda node: 1e-6, min_gain=0.26)
+    assert small.reruns == 0
     # the saved input is held too (a counted placeholder): recomputing r1 would keep `a` alive instead
-    same, none = rerun_for_peak(gm, {"a", "tangents_1"}, {}, 0, 0, lambda node: 1e-6, step_s=1e-3)
+    same, none = rerun_for_peak(gm, {"a", "tangents_1"}, {}, 0, 0, lambda node: 1e-6)
     assert none.reruns == 0
     # the forward's peak is the floor: nothing to gain in the backward below it
-    same, none = rerun_for_peak(gm, {"tangents_1"}, {}, 0, 4 * n, lambda node: 1e-6, step_s=1e-3)
+    same, none = rerun_for_peak(gm, {"tangents_1"}, {}, 0, 4 * n, lambda node: 1e-6)
     assert none.reruns == 0
 
 
@@ -192,7 +197,7 @@ def test_rerun_under_inductor_copies_the_inlined_op_a_late_reader_reads_through(
     n = 4 * 4 * 4
     assert _inlined(gm) == {"mul_tensor"}
     assert simulate(gm, {"tangents_1"}, inline=True)[0] == 4 * n
-    new, report = rerun_for_peak(gm, {"tangents_1"}, {}, 0, 0, lambda node: 1e-6, step_s=1e-3, inline=True)
+    new, report = rerun_for_peak(gm, {"tangents_1"}, {}, 0, 0, lambda node: 1e-6, inline=True)
     order = [(node.target, bool(node.meta.get(RERUN))) for node in new.graph.nodes if node.op == "call_function"]
     assert order[-4:] == [(aten.mm.default, True), (aten.mul.Tensor, True), (aten.sub.Tensor, False),
                           (aten.mm.default, False)], order
@@ -212,24 +217,39 @@ def _grads(model, inputs, fn):
 
 @pytest.mark.parametrize("name, make", [("gpt", _gpt), ("hf_gpt2", _hf_gpt2)])
 def test_rerun_makes_the_peak_fall_with_the_budget(name, make):
-    """Estimated step peaks of the solver's fastest plans with reruns never rise as the memory
-    budget shrinks (they did without reruns: at 0 the backward recomputed every layer before the
-    last layer's gradients), gradients unchanged, and the measured peak follows the estimate.
-    (peak_slack=0: the peak tie-break may find, at one budget, a lower peak than a smaller budget's
-    plans reach within the slack; it never raises a budget's peak, see test_peak_slack_*.)"""
+    """Estimated step peaks never rise as the memory budget shrinks when the reruns may spend the
+    time they need (without reruns they did: at 0 the backward recomputed every layer before the
+    last layer's gradients); gradients unchanged; the measured peak follows the estimate. With the
+    default peak_slack, above the budget's minimum the reruns and the tie-break together keep the
+    estimated step time within 3% of the budget's fastest plan and never raise its peak; at the
+    minimum (budget 0) the reruns take the lowest peak of the sweep, whatever they cost. (On these
+    tiny, overhead-bound models 3% cannot buy back the rise below budget 0.2, so the defaults are
+    not monotone here; on the benchmark models they are: benchmarks/peak.py.)"""
     model, inputs = make()
     want = _grads(model, inputs, model)
-    peaks = {}
+    plans = {}
     for budget in (1.0, 0.8, 0.6, 0.4, 0.2, 0.1, 0.0):
-        torch._dynamo.reset()
-        f = torch.compile(model, backend="remat", fullgraph=True,
-                          options={"lower": "eager", "memory_budget": budget, "peak_slack": 0})
-        got = _grads(model, inputs, f)
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        peaks[budget] = remat.last_plan().peak.step
-    values = list(peaks.values())
-    assert values == sorted(values, reverse=True), peaks
+        for slack in (0.0, 0.03, 0.5):
+            torch._dynamo.reset()
+            f = torch.compile(model, backend="remat", fullgraph=True,
+                              options={"lower": "eager", "memory_budget": budget, "peak_slack": slack})
+            got = _grads(model, inputs, f)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            plans[budget, slack] = remat.last_plan()
+        fast, plan = plans[budget, 0.0], plans[budget, 0.03]
+        assert plan.peak.step <= fast.peak.step
+        if budget > 0:
+            assert fast.rerun.reruns == 0  # peak_slack=0: nothing may be spent on the peak
+            assert plan.rerun.allowance_s is not None and plan.rerun.cost_s <= plan.rerun.allowance_s
+            assert plan.step_cost_s <= 1.03 * fast.step_cost_s * (1 + 1e-9)
+        else:  # the least memory: not limited by time, the same whatever the slack
+            assert plan.rerun.allowance_s is None and plan.rerun.reruns > 0
+            assert plan.peak.step == fast.peak.step == plans[budget, 0.5].peak.step
+    peaks = {b: plans[b, 0.03].peak.step for b in (1.0, 0.8, 0.6, 0.4, 0.2, 0.1, 0.0)}
+    assert peaks[0.0] == min(peaks.values()), peaks
+    free = [plans[b, 0.5].peak.step for b in (1.0, 0.8, 0.6, 0.4, 0.2, 0.1, 0.0)]
+    assert free == sorted(free, reverse=True), free
     off, off_peak = _measure(model, inputs, {"memory_budget": 0.0, "rerun": False})
     on, on_peak = _measure(model, inputs, {"memory_budget": 0.0})
     assert on.rerun.reruns > 0 and off.rerun is None
@@ -393,11 +413,13 @@ def test_peak_slack_picks_the_lowest_estimated_peak_within_the_slack():
         if plan.budget.lowered_to is not None:
             lowered += 1
             assert plan.peak.step < fast.peak.step and plan.total_bytes <= plan.budget.lowered_to
-            assert plan.step_cost_s <= 1.02 * fast.step_cost_s
-            assert plan.budget.fastest_peak == fast.peak.step
+            assert plan.step_cost_s <= 1.02 * fast.step_cost_s * (1 + 1e-9)
+            assert plan.budget.fastest_peak <= fast.peak.step  # the fastest plan, with its own reruns
             assert "for a lower estimated peak" in str(plan)
-        else:
-            assert plan.peak.step == fast.peak.step and plan.total_bytes == fast.total_bytes
+        else:  # the fastest plan, and reruns only if they lower its peak within the slack
+            assert plan.total_bytes == fast.total_bytes
+            assert plan.peak.step == fast.peak.step or plan.rerun.reruns > 0
+            assert plan.step_cost_s <= 1.02 * fast.step_cost_s * (1 + 1e-9)
     assert lowered > 0
 
 
@@ -458,3 +480,38 @@ def test_peak_slack_option():
     model, inputs = _mlp()
     with pytest.raises(Exception, match=r"option 'peak_slack' must be a fraction of step time in \[0, 1\)"):
         torch.compile(model, backend="remat", options={"peak_slack": 2})(*inputs)
+
+
+def test_inductor_kernels_do_not_fuse_across_a_rerun():
+    """Under Inductor a fused kernel runs at its earliest member's place once all it reads is ready,
+    so two kernels fused across a rerun either compute the rerun early (held as the first copy was)
+    or run a reader of the first copy after the rerun (both copies alive): such far fusions are
+    refused; near ones, and far ones with no rerun between them, are left to Inductor."""
+    from remat_fx.passes.lower import _KeepRerunsLate
+    from remat_fx.passes.rerun import RERUN
+
+    class Origin:
+        def __init__(self, rerun):
+            self.meta = {RERUN: True} if rerun else {}
+
+    class SNode:  # what the fusion choice reads of Inductor's scheduler nodes
+        def __init__(self, order, rerun=False):
+            self.min_order = self.max_order = order
+            self.node = type("IR", (), {"origins": {Origin(rerun)}})()
+
+        def get_nodes(self):
+            return [self]
+
+    class Prior:
+        def can_fuse(self, scheduler, node1, node2, score):
+            return True
+
+    nodes = [SNode(i, rerun=(i == 20)) for i in range(40)]
+    scheduler = type("Scheduler", (), {"nodes": nodes})()
+    choices = _KeepRerunsLate(Prior())
+    assert not choices.can_fuse(scheduler, nodes[5], nodes[30], 0)  # a reader of the first copy, pulled late
+    assert not choices.can_fuse(scheduler, nodes[30], nodes[5], 0)
+    assert not choices.can_fuse(scheduler, nodes[20], nodes[2], 0)  # the rerun itself, pulled early
+    assert choices.can_fuse(scheduler, nodes[15], nodes[22], 0)  # near: moves nothing far
+    assert choices.can_fuse(scheduler, nodes[21], nodes[39], 0)  # far, but no rerun between them
+    assert choices.can_fuse(scheduler, nodes[0], nodes[19], 0)

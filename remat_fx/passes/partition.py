@@ -12,7 +12,7 @@ import contextlib
 import copy
 import operator
 import time
-from typing import List, Set
+from typing import List, Optional, Set
 
 import torch
 import torch.fx as fx
@@ -65,12 +65,13 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             joint_gm, joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_indices=static_lifetime_input_indices, **kwargs)
 
-    def finish(fw, bw, plan, budgeted):
+    def finish(fw, bw, plan, budgeted, fastest_s):
         if options.schedule:
             plan.moved_just_in_time = schedule_recompute(bw, set(plan.recomputed_fx))
         plan.step_cost_s = sum(cost(n) for g in (fw, bw) for n in g.graph.nodes if n.op == "call_function")
         if options.rerun is True or (options.rerun == "auto" and budgeted):
-            bw = _rerun(fw, bw, plan, num_fwd_outputs, cost, options.peak_budget)
+            bw = _rerun(fw, bw, plan, num_fwd_outputs, cost, options.peak_budget,
+                        _rerun_allowance(plan, fastest_s, options))
         plan.peak = estimate_peak(fw, bw, num_fwd_outputs, inline=options.lower == "inductor")
         return fw, bw, plan
 
@@ -80,11 +81,13 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
         plan0 = build_plan(joint, tags, fw0, bw0, num_fwd_outputs, params, options.lower, cost)
         budgets = budgets_of(joint, options)
 
-        def cut(budgets):
-            """(fw, bw, plan, tags) meeting ``budgets`` ({} = the plan without a budget)."""
+        def cut(budgets, fastest_s=None):
+            """(fw, bw, plan, tags) meeting ``budgets`` ({} = the plan without a budget); ``fastest_s``:
+            the estimated step time of the fastest plan under the user's budget, without reruns (None:
+            this is that plan), from which the time allowed to lower the peak is counted."""
             if not budgets:
                 _write_tags(joint_gm, tags)
-                return (*finish(fw0, bw0, copy.copy(plan0), options.peak_budget is not None), tags)
+                return (*finish(fw0, bw0, copy.copy(plan0), options.peak_budget is not None, fastest_s), tags)
             new_tags, report = apply_budget(joint, tags, plan0, budgets, params, cost, options)
             if report.solver == "none":
                 _write_tags(joint_gm, tags)
@@ -96,7 +99,7 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             report.estimated_cost_s = plan.recompute_cost_s
             _check_achieved(report, plan, joint, params)
             plan.budget = report
-            return (*finish(fw, bw, plan, True), new_tags)
+            return (*finish(fw, bw, plan, True, fastest_s), new_tags)
 
         if options.peak_budget is None:
             fw, bw, plan, tags = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
@@ -118,17 +121,24 @@ _MIN_GAIN = 0.02  # reruns that lower the estimated peak by less are not worth t
 _MIN_GAIN_INDUCTOR = 0.15
 
 
-def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap):
+def _rerun_allowance(plan, fastest_s, options) -> Optional[float]:
+    """Seconds of recompute the reruns may add (cost model), None for the lowest peak found.
+    A peak_budget asks for a peak (fit_peak finds the fastest plan meeting it), and a memory budget
+    at its feasible minimum for the least memory, whatever either costs. Otherwise the step may
+    become at most peak_slack slower than the fastest plan under the budget (its time without
+    reruns), together with the peak tie-break's choice of a slower plan (passes/peak.py lower_peak)."""
+    report = plan.budget
+    if options.peak_budget is not None or (report is not None and report.target <= report.minimum):
+        return None
+    base = plan.step_cost_s if fastest_s is None else fastest_s
+    return max(0.0, base * (1 + options.peak_slack) - plan.step_cost_s)
+
+
+def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap, allowance):
     """The backward with values recomputed a second time where that lowers the step's peak."""
     counted, shared, held, _ = backward_inputs(fw, bw, num_fwd_outputs)
-    step_s = plan.step_cost_s
-    # how much time a rerun may cost per byte of peak follows the budget: at fraction 1 a peak
-    # fraction for the same time fraction, towards 0 (recompute all that can be) the lowest peak
-    weight = 1.0
-    if plan.budget is not None and plan.budget.maximum > 0:
-        weight = min(1.0, max(0.0, plan.budget.target / plan.budget.maximum))
     inline = cost.lower == "inductor"  # liveness as Inductor runs it (pointwise ops inside their user)
-    bw, report = rerun_for_peak(bw, counted, shared, held, simulate(fw, inline=inline)[0], cost, step_s, cap, weight,
+    bw, report = rerun_for_peak(bw, counted, shared, held, simulate(fw, inline=inline)[0], cost, allowance, cap,
                                 _MIN_GAIN_INDUCTOR if inline else _MIN_GAIN, inline)
     plan.rerun = report
     plan.backward_flops += report.flops

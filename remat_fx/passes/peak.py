@@ -19,7 +19,7 @@ modelled: with a memory or peak budget passes/lower.py turns it off.
 
 Two searches use the estimate: ``fit_peak`` (option peak_budget: the fastest plan under a peak)
 and ``lower_peak`` (option peak_slack: under a memory budget, the lowest peak among plans within
-a small slack of the fastest plan's estimated step time).
+a small slack of the fastest plan's estimated step time, reruns included).
 """
 from __future__ import annotations
 
@@ -377,18 +377,20 @@ def lower_peak(cut, budgets, first, slack: float):
     ``cut(budgets)``) is often one of several of about the same time whose step peaks differ by
     10-15%, since the solver counts saved bytes, not what is alive together in backward. Lower
     saved-bytes targets (``_LOWER_STEPS`` of the budget's) are solved while their estimated step
-    time stays within ``slack`` of the fastest plan's; the lowest estimated peak wins (ties: the
-    faster). The report keeps the user's target and notes the one solved for."""
+    time, reruns included, stays within ``slack`` of the fastest plan's without reruns (the reruns
+    of each plan are allowed what its own time leaves of that); the lowest estimated peak wins
+    (ties: the faster). The report keeps the user's target and notes the one solved for."""
     plan = first[2]
     report = plan.budget
     if slack <= 0 or None not in budgets or report is None or report.solver == "none":
         return first
-    best, best_target, limit = first, None, plan.step_cost_s * (1 + slack)
+    fastest_s = plan.step_cost_s - (plan.rerun.cost_s if plan.rerun is not None else 0.0)
+    best, best_target, limit = first, None, fastest_s * (1 + slack)
     for f in _LOWER_STEPS:
         target = int(report.target * f)
         if target < report.minimum:
             break
-        result = cut(_overall(budgets, Budget(nbytes=target)))
+        result = cut(_overall(budgets, Budget(nbytes=target)), fastest_s)
         if result[2].step_cost_s > limit:
             break
         if (result[2].peak.step, result[2].step_cost_s) < (best[2].peak.step, best[2].step_cost_s):

@@ -115,8 +115,9 @@ class Plan:
         if self.rerun is not None and self.rerun.reruns:
             r = self.rerun
             lines.append(f"  rerun: {r.reruns} values recomputed a second time ({r.nodes} nodes, {r.flops:,} FLOPs, "
-                         f"est. {r.cost_s * 1e3:.3f} ms): estimated peak {fmt_bytes(r.peak_before)} -> "
-                         f"{fmt_bytes(r.peak_after)}")
+                         f"est. {r.cost_s * 1e3:.3f} ms of "
+                         + ("any" if r.allowance_s is None else f"{r.allowance_s * 1e3:.3f} ms") + " allowed): "
+                         f"estimated peak {fmt_bytes(r.peak_before)} -> {fmt_bytes(r.peak_after)}")
         if self.budget is not None:
             lines.append(f"  {self.budget}")
             for name, region in self.budget.regions.items():

@@ -13,9 +13,10 @@ values it is computed from that are no longer alive then (its closure, stopping 
 still are, e.g. a block's input); the later uses read the copy, so the original dies at its last
 earlier use. Candidates are ranked by bytes freed at the peak per second of recompute (the cost
 model's); a rerun is kept only if it lowers the step's estimated peak (or narrows the stretch at
-that peak on the way down), and at the end only the shortest prefix of reruns that reaches the
-lowest peak is kept. It stops when the step's peak is the forward's (the backward can no longer
-set it). Random ops, mutations and anything that reads a tangent are never rerun.
+that peak on the way down) and its recompute fits the time allowance left, and at the end only the
+shortest prefix of reruns that reaches the lowest peak is kept. It stops when the step's peak is
+the forward's (the backward can no longer set it). Random ops, mutations and anything that reads a
+tangent are never rerun.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class RerunReport:
     peak_before: int = 0  # the step's estimated peak without them
     peak_after: int = 0
     seconds: float = 0.0
+    allowance_s: Optional[float] = None  # the recompute time they were allowed (None: the lowest peak)
     names: List[str] = field(default_factory=list)  # FX names of the values rerun
 
 
@@ -142,21 +144,19 @@ class _State:
 
 
 def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str], held: int, floor: int,
-                   cost: Callable[[fx.Node], float], step_s: float, cap: Optional[int] = None,
-                   weight: float = 1.0, min_gain: float = 0.0, inline: bool = False, max_closure: int = 256,
+                   cost: Callable[[fx.Node], float], allowance: Optional[float] = None, cap: Optional[int] = None,
+                   min_gain: float = 0.0, inline: bool = False, max_closure: int = 256,
                    tries: int = 6, patience: int = 40, max_reruns: int = 2000):
     """(backward graph with the reruns, RerunReport); ``bw`` itself is left as it was.
     ``counted``/``shared``: as passes/peak.simulate; ``held``: bytes the forward leaves alive beyond
     the backward's inputs (its other outputs); ``floor``: the forward's peak (the step's peak cannot
-    fall below it); ``step_s``: the cost model's time of the whole step
-    (forward and backward), against which a rerun's time is weighed (to the power ``weight``: 1 trades
-    a fraction of peak for the same fraction of step time, 0 takes the lowest peak found); ``cap``: a
-    peak_budget; ``min_gain``: without a cap, reruns are kept only if they lower the estimated peak by
+    fall below it); ``allowance``: the seconds of recompute (cost model) the reruns may add to the
+    step, None for the lowest peak found whatever it costs; ``cap``: a peak_budget; ``min_gain``: without a cap, reruns are kept only if they lower the estimated peak by
     at least this fraction (the estimate's error under the lowering); ``inline``: liveness as under
     Inductor (passes/peak.simulate)."""
     t0 = time.perf_counter()
     prog = _Program(bw, counted, shared, inline)
-    report = RerunReport()
+    report = RerunReport(allowance_s=allowance)
 
     def state():
         live = prog.simulate()
@@ -175,7 +175,8 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
         t_star = max(range(len(live)), key=lambda i: (live[i], -i))
         candidates = _candidates(prog, live, roots, start, last, uses, size, inlined, t_star, cost, max_closure)
         taken = None
-        for score, root, plan in candidates[:tries]:
+        affordable = [c for c in candidates if allowance is None or spent + c[2]["seconds"] <= allowance]
+        for score, root, plan in affordable[:tries]:
             before = prog.items
             prog.items = _apply(prog.items, plan)
             new_sim, new = state()
@@ -187,13 +188,13 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
         if taken is None:
             break
         root, plan = taken
-        spent += sum(cost(n) for n in plan["nodes"])
+        spent += plan["seconds"]
         history.append((prog.items, cur, root.src.name, plan["nodes"], spent))
         if cur.peak < best[0]:
             best, stale = (cur.peak, len(history)), 0
         else:
             stale += 1
-    keep = history[:_prefix(history, report.peak_before, step_s, cap, weight, min_gain)]
+    keep = history[:_prefix(history, report.peak_before, cap, min_gain)]
     if keep:
         prog.items = keep[-1][0]
         report.peak_after, report.cost_s = keep[-1][1].peak, keep[-1][4]
@@ -207,18 +208,17 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     return bw, report
 
 
-def _prefix(history, peak0: int, step_s: float, cap, weight: float, min_gain: float) -> int:
-    """How many reruns to keep: with a peak cap, the fewest that meet it; otherwise (or when none
-    does) the number minimising estimated peak x (estimated step time ** weight). At weight 1 a rerun
-    stays only while it lowers the peak by a larger fraction than it slows the step; at 0 the lowest
-    peak is kept whatever it costs."""
+def _prefix(history, peak0: int, cap, min_gain: float) -> int:
+    """How many reruns to keep (all of them fit the time allowance): with a peak cap, the fewest that
+    meet it; otherwise (or when none does) the fewest that reach the lowest peak, if that lowers the
+    peak by at least ``min_gain`` (a fraction of ``peak0``)."""
     if cap is not None:
         for k, h in enumerate(history, 1):
             if h[1].peak <= cap:
                 return k if peak0 > cap else 0
-    scores = [peak0 * step_s ** weight] + [h[1].peak * (step_s + h[4]) ** weight for h in history]
-    k = min(range(len(scores)), key=lambda k: (scores[k], k))
-    return k if k and history[k - 1][1].peak <= (1 - min_gain) * peak0 else 0
+    peaks = [peak0] + [h[1].peak for h in history]
+    k = min(range(len(peaks)), key=lambda k: (peaks[k], k))
+    return k if k and peaks[k] <= (1 - min_gain) * peak0 else 0
 
 
 def _candidates(prog: _Program, live, roots, start, last, uses, size, inlined, t_star, cost, max_closure):
@@ -269,7 +269,7 @@ def _candidates(prog: _Program, live, roots, start, last, uses, size, inlined, t
         seconds = sum(cost(n) for n in nodes)
         order = sorted(closure, key=lambda it: index[id(it)])
         out.append((freed / (seconds + 1e-9), r, {"closure": order, "need": need, "at": u, "users": late_users,
-                                                  "nodes": nodes}))
+                                                  "nodes": nodes, "seconds": seconds}))
     out.sort(key=lambda c: -c[0])
     return out
 
