@@ -4,13 +4,17 @@ memory_budget (both lowerings), and remat's peak_budget.
 
     python benchmarks/peak.py [--models gpt,hf] [--budgets 0,0.1,0.2,0.4,0.6,0.8,1] [--lowerings inductor,eager]
                               [--no-rerun-budgets 0,0.1] [--peak-fractions 0.6,0.5,0.4] [--steps 5]
+                              [--pair-rounds 12]
 
 Peak: torch.profiler's memory timeline around one warmed-up fwd+bwd step, highest point minus the
 first sample (benchmarks/memory.py step_peak_bytes; it sees Inductor's buffers as well as eager
 ops). remat's static estimate (plan.peak) is shown next to it. ``remat (rerun off)`` rows: remat
 with option rerun=False (no value recomputed a second time), at --no-rerun-budgets. ``peak_budget`` rows ask remat for
 the fastest plan whose estimated peak is at most that fraction of remat's peak without a budget
-(same lowering). Step time: median over --steps interleaved rounds / eager without checkpointing.
+(same lowering). Step time: median over --steps interleaved rounds / eager without checkpointing;
+remat against PyTorch at the same budget also as the median [quartiles] of --pair-rounds
+back-to-back step pairs (the round robin over ~20 variants spreads their steps seconds apart, and
+7 rounds do not settle 5%: the same plan measured 0.96 against itself).
 Writes benchmarks/out/peak.md, peak.csv and peak.png.
 """
 from __future__ import annotations
@@ -32,7 +36,7 @@ import remat_fx as remat  # noqa: E402
 from benchmarks.memory import fmt_bytes, step_peak_bytes  # noqa: E402
 from benchmarks.pareto import budget_scope, build_model, compile_variant  # noqa: E402
 from benchmarks.timing import (add_budget_args, add_model_args, floats, interleaved_step_times,  # noqa: E402
-                               parse_budget_args, write_outputs)
+                               paired_time_ratios, parse_budget_args, write_outputs)
 
 
 class _CheckpointBlock(torch.nn.Module):
@@ -130,6 +134,16 @@ def measure(key: str, args) -> List[dict]:
         base = statistics.median(times["eager, no checkpointing"])
         for r in rows:
             r["time_x"] = statistics.median(times[r["label"]]) / base
+        for r in rows:  # remat against PyTorch at its budget: paired steps, the finer comparison
+            if r["system"] not in ("remat", "remat_norerun") or not args.pair_rounds:
+                continue
+            torch_label = f"{r['lower']}/torch/budget {r['budget']:g}"
+            if torch_label in variants:
+                ratios = sorted(paired_time_ratios(variants[torch_label], variants[r["label"]], args.pair_rounds))
+                q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+                r.update(time_vs_torch=statistics.median(ratios), time_vs_torch_q1=q[0], time_vs_torch_q3=q[2])
+                print(f"[{key}] {r['label']:38s} time / PyTorch's (paired, {len(ratios)} pairs): "
+                      f"{r['time_vs_torch']:.3f} [{q[0]:.3f}, {q[2]:.3f}]", flush=True)
     return rows
 
 
@@ -147,6 +161,14 @@ def table(rows: List[dict], key: str, timed: bool) -> List[str]:
     return lines
 
 
+def _vs_torch(r: dict, torch_row: dict) -> str:
+    """remat's step time over PyTorch's at the same budget: the paired median [quartiles] when
+    measured, else the ratio of the round robin's medians."""
+    if "time_vs_torch" in r:
+        return f"{r['time_vs_torch']:.3f} [{r['time_vs_torch_q1']:.3f}-{r['time_vs_torch_q3']:.3f}]"
+    return f"{r['time_x'] / torch_row['time_x']:.3f}"
+
+
 def summary(rows: List[dict], key: str, lowerings) -> List[str]:
     out = []
     ckpt = next(r["peak"] for r in rows if r["model"] == key and r["system"] == "eager_ckpt")
@@ -156,10 +178,10 @@ def summary(rows: List[dict], key: str, lowerings) -> List[str]:
         peaks = [get[("remat", b)]["peak"] for b in budgets]
         cmp = [f"{b:g}: {get[('remat', b)]['peak'] / get[('torch', b)]['peak']:.3f}" for b in budgets
                if ("torch", b) in get]
-        tcmp = [f"{b:g}: {get[('remat', b)]['time_x'] / get[('torch', b)]['time_x']:.3f}" for b in budgets
+        tcmp = [f"{b:g}: {_vs_torch(get[('remat', b)], get[('torch', b)])}" for b in budgets
                 if ("torch", b) in get and "time_x" in get[("remat", b)]]
         off = [f"{b:g}: peak {get[('remat_norerun', b)]['peak'] / get[('torch', b)]['peak']:.3f}"
-               + (f", time {get[('remat_norerun', b)]['time_x'] / get[('torch', b)]['time_x']:.3f}"
+               + (f", time {_vs_torch(get[('remat_norerun', b)], get[('torch', b)])}"
                   if "time_x" in get[("remat_norerun", b)] else "")
                for b in budgets if ("remat_norerun", b) in get and ("torch", b) in get]
         out.append(f"- {lower}: remat memory_budget peaks as the budget shrinks: "
@@ -167,7 +189,8 @@ def summary(rows: List[dict], key: str, lowerings) -> List[str]:
                    + f" (monotone: {peaks == sorted(peaks, reverse=True)}); remat peak / PyTorch peak at the same "
                    f"budget: {', '.join(cmp)}")
         if tcmp:
-            out.append(f"- {lower}: remat step time / PyTorch step time at the same budget: {', '.join(tcmp)}")
+            out.append(f"- {lower}: remat step time / PyTorch step time at the same budget (median of paired steps "
+                       f"[quartiles]): {', '.join(tcmp)}")
         if off:
             out.append(f"- {lower}: remat with rerun=False / PyTorch at the same budget: {'; '.join(off)}")
         caps = sorted((r for r in rows if r["model"] == key and r["lower"] == lower and r["system"] == "remat_peak"),
@@ -244,6 +267,8 @@ def parse_args(argv=None):
     p.add_argument("--peak-fractions", default="0.6,0.5,0.4")
     p.add_argument("--no-rerun-budgets", default="0,0.1", help="budgets also run with remat option rerun=False")
     add_model_args(p, steps=5)
+    p.add_argument("--pair-rounds", type=int, default=12,
+                   help="back-to-back step pairs timing each remat variant against PyTorch at its budget (0: off)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "peak.md")
     args = parse_budget_args(p, argv)
     args.peak_fractions = floats(args.peak_fractions)

@@ -21,17 +21,36 @@ def interleaved_step_times(variants: Dict[str, Tuple[object, Callable]], steps: 
     for rnd in range(warmup + steps):
         k = rnd % len(labels)
         for label in labels[k:] + labels[:k]:
-            model, loss_fn = variants[label]
-            model.zero_grad(set_to_none=True)
-            gc.collect()
-            t0 = time.perf_counter()
-            loss = loss_fn()
-            loss.backward()
-            dt = time.perf_counter() - t0
-            del loss
+            dt = _timed_step(variants[label])
             if rnd >= warmup:
                 times[label].append(dt)
     return times
+
+
+def _timed_step(variant: Tuple[object, Callable]) -> float:
+    """Seconds of one fwd+bwd step of ``variant`` = (model, loss_fn), gradients cleared first."""
+    model, loss_fn = variant
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    t0 = time.perf_counter()
+    loss = loss_fn()
+    loss.backward()
+    dt = time.perf_counter() - t0
+    del loss
+    return dt
+
+
+def paired_time_ratios(a: Tuple[object, Callable], b: Tuple[object, Callable], rounds: int) -> List[float]:
+    """[time of b / time of a] for ``rounds`` back-to-back pairs of fwd+bwd steps, the order
+    alternating (ab, ba, ...): two variants compared this closely share the machine's noise, which
+    the round robin over many variants spreads over seconds. One unrecorded pair first."""
+    _timed_step(a), _timed_step(b)
+    ratios = []
+    for i in range(rounds):
+        first, second = (b, a) if i % 2 else (a, b)
+        t = {id(first): _timed_step(first), id(second): _timed_step(second)}
+        ratios.append(t[id(b)] / t[id(a)])
+    return ratios
 
 
 def write_outputs(path: Path, rows: List[dict], lines: List[str], plot: Callable[[Path], None]) -> str:
