@@ -139,7 +139,7 @@ def measure(key: str, args) -> List[dict]:
                 continue
             torch_label = f"{r['lower']}/torch/budget {r['budget']:g}"
             if torch_label in variants:
-                ratios = sorted(paired_time_ratios(variants[torch_label], variants[r["label"]], args.pair_rounds))
+                ratios = paired_time_ratios(variants[torch_label], variants[r["label"]], args.pair_rounds)
                 q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
                 r.update(time_vs_torch=statistics.median(ratios), time_vs_torch_q1=q[0], time_vs_torch_q3=q[2])
                 print(f"[{key}] {r['label']:38s} time / PyTorch's (paired, {len(ratios)} pairs): "

@@ -47,9 +47,11 @@ def paired_time_ratios(a: Tuple[object, Callable], b: Tuple[object, Callable], r
     _timed_step(a), _timed_step(b)
     ratios = []
     for i in range(rounds):
-        first, second = (b, a) if i % 2 else (a, b)
-        t = {id(first): _timed_step(first), id(second): _timed_step(second)}
-        ratios.append(t[id(b)] / t[id(a)])
+        if i % 2:
+            tb, ta = _timed_step(b), _timed_step(a)
+        else:
+            ta, tb = _timed_step(a), _timed_step(b)
+        ratios.append(tb / ta)
     return ratios
 
 

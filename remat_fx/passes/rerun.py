@@ -152,9 +152,9 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     the backward's inputs (its other outputs); ``floor``: the forward's peak (the step's peak cannot
     fall below it); ``allowance``: the seconds of recompute (cost model) the reruns may add to the
     step, None for the lowest peak found whatever it costs; ``cap``: a peak_budget; ``min_gain``:
-    without a cap, reruns are kept only if they lower the estimated peak by
-    at least this fraction (the estimate's error under the lowering); ``inline``: liveness as under
-    Inductor (passes/peak.simulate)."""
+    without a cap, reruns are kept only if they lower the estimated peak by at least this fraction
+    (the estimate's error under the lowering); ``inline``: liveness as under Inductor
+    (passes/peak.simulate)."""
     t0 = time.perf_counter()
     prog = _Program(bw, counted, shared, inline)
     report = RerunReport(allowance_s=allowance)
