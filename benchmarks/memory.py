@@ -132,20 +132,11 @@ def fmt_bytes(n: Optional[float]) -> str:
 
 
 def step_peak_bytes(step) -> int:
-    """Incremental peak of one call of ``step`` (e.g. a fwd+bwd): bytes allocated on the CPU at the
-    call's highest point minus at its start, from torch.profiler's memory timeline (which sees
-    Inductor's buffers as well as eager ops).  ``MemoryProfileTimeline`` is a private PyTorch API:
-    this helper is the one place that uses it."""
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import MemoryProfileTimeline
+    """Incremental peak of one call of ``step`` on the CPU (remat_fx.measure: the profiler's memory
+    timeline, which sees Inductor's buffers as well as eager ops)."""
+    from remat_fx.measure import step_peak_bytes as measured
 
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        step()
-    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
-    totals = [sum(by_category) for by_category in sizes]  # per timestamp, all categories
-    return int(max(totals) - totals[0]) if totals else 0
+    return measured(step, torch.device("cpu"))
 
 
 def measure_heap(model, step) -> int:

@@ -6,6 +6,7 @@
 from remat_fx import config
 from remat_fx.annotate import annotate
 from remat_fx.backend import backend
+from remat_fx.measured_fit import FitResult, fit
 from remat_fx.pareto import ParetoPoint, pareto
 from remat_fx.passes.plan import BudgetReport, Plan, SavedActivation, last_plan
 from remat_fx.policy import CheckpointPolicy
@@ -15,9 +16,14 @@ from remat_fx.runtime.offload import CPUOffloader, use_offloader
 from remat_fx.runtime.ops import auto_forward, native_op, op
 from remat_fx.runtime.placeholder import Placeholder
 from remat_fx.runtime.report import MemoryReport, SavedEntry, memory_report
+from remat_fx.step import StepReport, step_report
 
 __all__ = [
     "BudgetReport",
+    "FitResult",
+    "StepReport",
+    "fit",
+    "step_report",
     "ParetoPoint",
     "Plan",
     "SavedActivation",

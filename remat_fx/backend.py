@@ -8,9 +8,10 @@ works without importing remat_fx first.
 from __future__ import annotations
 
 from remat_fx.options import parse_options
-from remat_fx.passes.lower import lower
+from remat_fx.step import compile_graph
 
 
 def backend(gm, example_inputs, options=None):
-    """A torch.compile backend; ``options`` as in :func:`remat_fx.options.parse_options`."""
-    return lower(gm, example_inputs, parse_options(options))
+    """A torch.compile backend; ``options`` as in :func:`remat_fx.options.parse_options`. Each graph
+    is planned as part of its training step (remat_fx/step.py)."""
+    return compile_graph(gm, example_inputs, parse_options(options))

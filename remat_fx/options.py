@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
+import torch
+
 from remat_fx import config
 from remat_fx.memory_budget import Budget, parse_budget
 from remat_fx.naming import NameGlobs
@@ -21,8 +23,10 @@ _DOC = {
     "lower": "'inductor' (default: C++ on CPU, Triton on CUDA) or 'eager' (run the partitioned FX graphs)",
     "memory_budget": "fraction in [0, 1], size ('512MiB', '1.5GB', '50%') or int bytes: saved activation "
                      "bytes allowed (default remat_fx.config.memory_budget, None = no budget)",
-    "peak_budget": "a size ('60MiB') or int bytes: the estimated peak of the step's activations allowed; "
-                   "the fastest plan under it is searched (with memory_budget, within that too)",
+    "peak_budget": "the estimated peak of the whole training step allowed (every graph of the step): a size "
+                   "('60MiB') or int bytes, a fraction in [0, 1] (0 = the least peak found, 1 = the peak without a "
+                   "budget), or 'auto' (CUDA: what the device has free, less 10%); the fastest plan under it is "
+                   "searched (with memory_budget, within that too)",
     "cost_model": "recompute cost estimate for the budget solver: 'auto' (roofline, pointwise fused under "
                   "Inductor), 'roofline', 'flops' or 'profile' (measured op times)",
     "roofline": "override the device roofline: {'flops_per_s': ..., 'bytes_per_s': ..., 'op_overhead_s': ...}",
@@ -49,7 +53,9 @@ class BackendOptions:
     rerun: object = "auto"  # "auto", True or False
     peak_slack: float = 0.03
     memory_budget: Optional[Budget] = None
-    peak_budget: Optional[int] = None
+    peak_budget: Optional[int] = None  # this graph's own cap in bytes (remat_fx/step.py sets it per graph)
+    peak_fraction: Optional[float] = None  # a fraction peak_budget, resolved by this graph against its own range
+    step_peak: object = None  # the whole-step peak_budget as given: a Budget, "auto" or None
     cost_model: str = "auto"
     roofline: Optional[Roofline] = None
     solver: str = "ilp"
@@ -59,7 +65,7 @@ class BackendOptions:
     def key(self) -> tuple:
         """What changes the compiled result (for Inductor's cache)."""
         return (self.save, self.recompute, self.lower, self.schedule, self.rerun, self.peak_slack,
-                repr(self.memory_budget), self.peak_budget,
+                repr(self.memory_budget), self.peak_budget, self.peak_fraction, repr(self.step_peak),
                 self.cost_model, self.roofline, self.solver, self.solver_time_limit)
 
 
@@ -97,13 +103,15 @@ def parse_options(options) -> BackendOptions:
         budget = parse_budget(options.get("memory_budget", config.memory_budget), "option 'memory_budget'")
     except ValueError as e:
         raise ValueError(f"backend 'remat': {e}") from None
-    try:
-        peak = parse_budget(options.get("peak_budget"), "option 'peak_budget'")
-    except ValueError as e:
-        raise ValueError(f"backend 'remat': {e}") from None
-    if peak is not None and peak.nbytes is None:
-        raise ValueError(f"backend 'remat': option 'peak_budget' must be a size ('60MiB') or int bytes, got "
-                         f"{options['peak_budget']!r} (a fraction of what? sizes only)")
+    peak = options.get("peak_budget")
+    if peak == "auto" and not torch.cuda.is_available():
+        raise ValueError("backend 'remat': option 'peak_budget'='auto' reads the free memory of the CUDA device, and "
+                         "no CUDA device is available; give a size (peak_budget='2GiB') or a fraction (0.5)")
+    if peak != "auto":
+        try:
+            peak = parse_budget(peak, "option 'peak_budget'")
+        except ValueError as e:
+            raise ValueError(f"backend 'remat': {e}; or 'auto' (CUDA: the device's free memory)") from None
     cost_model = options.get("cost_model", config.cost_model)
     if cost_model not in COST_MODELS:
         raise ValueError(f"backend 'remat': option 'cost_model' must be one of {list(COST_MODELS)}, got {cost_model!r}")
@@ -118,6 +126,7 @@ def parse_options(options) -> BackendOptions:
     globs = NameGlobs(save=options.get("save"), recompute=options.get("recompute"))
     return BackendOptions(save=globs.save, recompute=globs.recompute, lower=lower, report=report,
                           schedule=schedule, rerun=rerun, peak_slack=float(slack), memory_budget=budget,
-                          peak_budget=None if peak is None else peak.nbytes,
+                          peak_budget=None if peak is None or peak == "auto" else peak.nbytes,
+                          peak_fraction=None if peak is None or peak == "auto" else peak.fraction, step_peak=peak,
                           cost_model=cost_model, roofline=roofline, solver=solver,
                           solver_time_limit=float(limit), globs=globs)

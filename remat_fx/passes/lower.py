@@ -118,7 +118,8 @@ def lower(gm, example_inputs, options: BackendOptions):
         # AOTAutograd's cache would skip our partition on a hit, and with it the Plan:
         # Inductor's own kernel cache still applies
         with torch._functorch.config.patch(enable_autograd_cache=False):
-            keep_peak = options.memory_budget is not None or options.peak_budget is not None
+            keep_peak = options.memory_budget is not None or options.peak_budget is not None \
+                or options.peak_fraction is not None
             return compile_fx(gm, example_inputs,
                               inner_compile=functools.partial(_compile_keeping_reruns_late, keep_peak=keep_peak),
                               config_patches={"custom_partitioner_fn": RematPartitioner(options)})

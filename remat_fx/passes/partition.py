@@ -87,7 +87,7 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             this is that plan), from which the time allowed to lower the peak is counted."""
             if not budgets:
                 _write_tags(joint_gm, tags)
-                return (*finish(fw0, bw0, copy.copy(plan0), options.peak_budget is not None, fastest_s), tags)
+                return (*finish(fw0, bw0, copy.copy(plan0), _peak_budgeted(options), fastest_s), tags)
             new_tags, report = apply_budget(joint, tags, plan0, budgets, params, cost, options)
             if report.solver == "none":
                 _write_tags(joint_gm, tags)
@@ -101,10 +101,10 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             plan.budget = report
             return (*finish(fw, bw, plan, True, fastest_s), new_tags)
 
-        if options.peak_budget is None:
+        if not _peak_budgeted(options):
             fw, bw, plan, tags = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
         else:
-            fw, bw, plan, tags = fit_peak(cut, budgets, options.peak_budget)
+            fw, bw, plan, tags = fit_peak(cut, budgets, options.peak_budget, options.peak_fraction)
     check_follows_tags(joint.names, tags, bw)
     plan.partition_seconds = time.perf_counter() - t0
     record(plan)
@@ -121,6 +121,10 @@ _MIN_GAIN = 0.02  # reruns that lower the estimated peak by less are not worth t
 _MIN_GAIN_INDUCTOR = 0.15
 
 
+def _peak_budgeted(options: BackendOptions) -> bool:
+    return options.peak_budget is not None or options.peak_fraction is not None
+
+
 def _rerun_allowance(plan, fastest_s, options) -> Optional[float]:
     """Seconds of recompute the reruns may add (cost model), None for the lowest peak found.
     A peak_budget asks for a peak (fit_peak finds the fastest plan meeting it), and a memory budget
@@ -128,7 +132,7 @@ def _rerun_allowance(plan, fastest_s, options) -> Optional[float]:
     become at most peak_slack slower than the fastest plan under the budget (its time without
     reruns), together with the peak tie-break's choice of a slower plan (passes/peak.py lower_peak)."""
     report = plan.budget
-    if options.peak_budget is not None or (report is not None and report.target <= report.minimum):
+    if _peak_budgeted(options) or (report is not None and report.target <= report.minimum):
         return None
     base = plan.step_cost_s if fastest_s is None else fastest_s
     return max(0.0, base * (1 + options.peak_slack) - plan.step_cost_s)

@@ -40,6 +40,7 @@ class PeakEstimate:
     forward: int  # bytes above the step's start, at the forward's peak
     backward: int  # at the backward's peak (what the forward left included)
     saved: int  # what the forward leaves for the backward (not counting its own inputs)
+    held: int = 0  # the forward's other outputs (the loss, a next graph's input), held through the backward
 
     @property
     def step(self) -> int:
@@ -299,7 +300,7 @@ def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inlin
     counted, shared, held, saved = backward_inputs(fw, bw, num_fwd_outputs)
     fw_peak, _ = simulate(fw, inline=inline)
     bw_peak, _ = simulate(bw, counted, shared, inline=inline)
-    return PeakEstimate(forward=fw_peak, backward=held + bw_peak, saved=saved)
+    return PeakEstimate(forward=fw_peak, backward=held + bw_peak, saved=saved, held=held)
 
 
 class PeakInfeasible(ValueError):
@@ -309,15 +310,24 @@ class PeakInfeasible(ValueError):
 _GRID = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05, 0.0)
 
 
-def fit_peak(cut, budgets, cap: int):
-    """The fastest plan whose estimated step peak is at most ``cap`` bytes: saved-bytes targets are
-    tried from the largest allowed down a grid (the peak falls with them until too little is saved to
-    cut the recompute chains, then rises), then bisected between the last plan over the cap and the
-    first under it. ``cut(budgets)`` returns (fw, bw, plan, tags)."""
+def fit_peak(cut, budgets, cap: Optional[int], fraction: Optional[float] = None):
+    """The fastest plan whose estimated step peak is at most ``cap`` bytes, or, with ``fraction``
+    instead, at most that fraction of the way from the least estimated peak (the plan saving the
+    fewest bytes) to the peak without a budget: saved-bytes targets are tried from the largest
+    allowed down a grid (the peak falls with them until too little is saved to cut the recompute
+    chains, then rises), then bisected between the last plan over the cap and the first under it.
+    ``cut(budgets)`` returns (fw, bw, plan, tags)."""
     first = cut(budgets)
+    probe = None
+    if fraction is not None:
+        probe = cut(_overall(budgets, Budget(fraction=0.0)))
+        high = first[2].peak.step
+        low = min(high, probe[2].peak.step)
+        cap = low + int(fraction * (high - low))
     if first[2].peak.step <= cap:
-        return _mark(first, cap, 1)
-    probe = cut(_overall(budgets, Budget(fraction=0.0)))
+        return _mark(first, cap, 1 if probe is None else 2)
+    if probe is None:
+        probe = cut(_overall(budgets, Budget(fraction=0.0)))
     lo, top = probe[2].budget.minimum, probe[2].budget.maximum
     if None in budgets:
         top = min(top, budgets[None].target(lo, top))

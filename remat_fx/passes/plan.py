@@ -86,6 +86,7 @@ class Plan:
     peak_evaluations: int = 0  # plans the peak search estimated
     moved_just_in_time: int = 0  # recomputed nodes the schedule pass moved later
     rerun: Optional["RerunReport"] = None  # values recomputed a second time to lower the peak (passes/rerun.py)
+    graph: Optional[int] = None  # which compiled graph (remat.step_report() lists a step's graphs by it)
 
     @property
     def total_flops(self) -> int:

@@ -1,0 +1,228 @@
+"""remat.fit: plan a training step against its *measured* peak, and remember the answer on disk.
+
+    step = lambda: (model.zero_grad(set_to_none=True), loss_fn(model(x)).backward())
+    result = remat.fit(step, peak="6GiB")      # model compiled with backend="remat"
+    print(result)                              # the budget chosen, measured peaks of what was tried
+
+The estimate (remat_fx/step.py) is off by what the lowering fuses and what the allocator does;
+this runs the real step instead. It runs ``step`` once (compiling every graph of the step), then
+plans all the step's graphs with one shared memory budget, starting from the largest on the grid
+whose whole-step *estimate* fits the limit: each candidate is lowered again, run, and its peak
+measured (CUDA: the allocator's statistics; CPU: the profiler's memory timeline); larger budgets
+(less recompute) are tried while the measured peak fits, smaller ones until it does. The largest
+budget whose measured peak fits is kept, with its plans in place. If none fits, a
+:class:`~remat_fx.passes.peak.PeakInfeasible` error names the least measured peak.
+
+The choice is cached on disk (``cache_dir``, default ``$REMAT_FX_CACHE_DIR`` or
+``~/.cache/remat_fx``), keyed by each graph (its code, its inputs' shapes and dtypes, the torch
+version), its options and the limit: the next run of the same job compiles each graph straight
+at the chosen budget, measures once, and searches no more.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from remat_fx.measure import step_peak_bytes
+from remat_fx.memory_budget import fmt_bytes, parse_budget
+from remat_fx.options import BackendOptions
+from remat_fx.passes.peak import PeakInfeasible
+from remat_fx.passes.plan import record
+from remat_fx.step import STEP, CompiledGraph, _signature, auto_limit, candidates, estimate_curve, shared_options
+
+log = logging.getLogger("remat_fx")
+
+
+@dataclass
+class FitResult:
+    limit: int  # bytes the measured step peak must stay under
+    fraction: Optional[float]  # the shared memory_budget chosen (None: no budget needed)
+    measured: int  # the measured step peak with it
+    tried: Dict[Optional[float], int] = field(default_factory=dict)  # shared memory_budget -> measured peak
+    estimates: Dict[Optional[float], int] = field(default_factory=dict)  # -> whole-step estimate
+    cached: bool = False  # taken from the plan cache, no search
+    graphs: int = 0
+    calls: int = 0
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        name = "no budget" if self.fraction is None else f"memory_budget {self.fraction:g}"
+        text = (f"remat.fit: {name} for all {self.graphs} graphs ({self.calls} calls) of the step: measured peak "
+                f"{fmt_bytes(self.measured)} <= limit {fmt_bytes(self.limit)}"
+                + (" (from the plan cache)" if self.cached else f" ({len(self.tried)} plans measured)")
+                + f" in {self.seconds:.1f} s")
+        for f, m in self.tried.items():
+            est = self.estimates.get(f)
+            text += (f"\n  {'none' if f is None else f'{f:g}':>5s}: measured {fmt_bytes(m)}"
+                     + ("" if est is None else f", estimated {fmt_bytes(est)}") + ("  <- chosen" if f == self.fraction else ""))
+        return text
+
+
+@dataclass
+class _Scope:
+    limit: int
+    directory: Optional[pathlib.Path]
+
+
+_ACTIVE: List[_Scope] = []
+
+
+def _default_dir() -> pathlib.Path:
+    root = os.environ.get("REMAT_FX_CACHE_DIR")
+    return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "remat_fx"
+
+
+def _entry(graph: CompiledGraph, options: BackendOptions, limit: int) -> str:
+    from remat_fx import __version__
+
+    text = repr((graph.key, options.key(), limit, __version__))
+    return "fit-" + hashlib.sha256(text.encode()).hexdigest()[:32] + ".json"
+
+
+def cached_options(graph: CompiledGraph, options: BackendOptions) -> Optional[BackendOptions]:
+    """Inside ``fit`` with a cache: the options the cache chose for this graph, else None."""
+    if not _ACTIVE or _ACTIVE[-1].directory is None:
+        return None
+    scope = _ACTIVE[-1]
+    path = scope.directory / _entry(graph, options, scope.limit)
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    graph.cached = True
+    return shared_options(options, entry["fraction"])
+
+
+def _save(graphs, fraction, measured, scope: _Scope) -> None:
+    scope.directory.mkdir(parents=True, exist_ok=True)
+    for g in graphs:
+        path = scope.directory / _entry(g, g.options, scope.limit)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"fraction": fraction, "measured": measured, "limit": scope.limit,
+                                   "graph": g.key, "torch": torch.__version__}))
+        os.replace(tmp, path)
+
+
+def _limit(peak) -> int:
+    if peak == "auto":
+        return auto_limit()
+    try:
+        budget = parse_budget(peak, "remat.fit's peak")
+    except ValueError as e:
+        raise ValueError(f"remat_fx: {e}; or 'auto' (CUDA: the device's free memory)") from None
+    if budget is None or budget.nbytes is None:
+        raise ValueError(f"remat_fx: remat.fit's peak must be a size ('6GiB'), an int number of bytes or 'auto' "
+                         f"(CUDA), got {peak!r}")
+    return budget.nbytes
+
+
+def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: bool = True, cache_dir=None,
+        device=None, **kwargs) -> FitResult:
+    """Plan the graphs that ``step(*args, **kwargs)`` runs (one whole training step of a model
+    compiled with ``backend="remat"``: forward and backward, with the gradients set to None first so
+    that the peak counts them) so that the step's *measured* peak is at most ``peak`` (a size, int
+    bytes, or ``"auto"`` on CUDA), as fast as the shared budget grid allows. The search keeps
+    ``margin`` (a fraction of the limit) free against the run-to-run spread of the measurement, and
+    measures each candidate twice (the larger counts). See the module doc."""
+    limit = _limit(peak)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ValueError(f"remat_fx: remat.fit's margin must be a fraction of the limit in [0, 1), got {margin!r}")
+    target = int(limit * (1 - margin))
+    t0 = time.perf_counter()
+    scope = _Scope(limit, pathlib.Path(cache_dir) if cache_dir is not None else (_default_dir() if cache else None))
+    if not cache:
+        scope.directory = None
+
+    def run():
+        step(*args, **kwargs)
+
+    _ACTIVE.append(scope)
+    try:
+        run()  # compiles (from the cache where it has the graph)
+    finally:
+        _ACTIVE.remove(scope)
+    calls = [g for g in STEP.finished() if g.plan is not None]
+    if not calls:
+        raise ValueError("remat_fx: remat.fit's step ran no graph compiled with backend='remat' that needs "
+                         "gradients: it must run a forward and backward of a model compiled with "
+                         "torch.compile(model, backend='remat')")
+    graphs = list(dict.fromkeys(calls))
+    STEP.planned[_signature(calls)] = "fit"  # the step coordinator leaves this step to the fit
+    result = FitResult(limit, None, 0, graphs=len(graphs), calls=len(calls))
+    if all(getattr(g, "cached", False) for g in graphs):
+        measured = step_peak_bytes(run, device)
+        fraction = _fraction_of(graphs[0])
+        if measured <= limit:
+            result.fraction, result.measured, result.cached = fraction, measured, True
+            result.tried[fraction] = measured
+            result.seconds = time.perf_counter() - t0
+            log.info("%s", result)
+            return result
+        log.warning("remat_fx: the cached plan measures %s, over the limit %s: searching again",
+                    fmt_bytes(measured), fmt_bytes(limit))
+
+    def evaluate(f):
+        for g in graphs:
+            g.relower(shared_options(g.options, f))
+        run()  # the backward compiles lazily, and the allocator settles
+        measured = max(step_peak_bytes(run, device), step_peak_bytes(run, device))
+        result.tried[f] = measured
+        log.info("remat_fx: fit: shared memory_budget %s measures %s (target %s)", "none" if f is None else f"{f:g}",
+                 fmt_bytes(measured), fmt_bytes(target))
+        return measured
+
+    user = graphs[0].options.memory_budget
+    saved_limit = user.nbytes if user is not None else None
+    grid = candidates(graphs[0].options)
+    if saved_limit is not None:  # a byte memory_budget holds for the whole step too
+        saved = estimate_curve(calls, fractions=grid)
+        grid = [f for f in grid if saved[f][1] <= saved_limit] or grid[-1:]
+    curve = estimate_curve(calls, fractions=grid, stop=lambda peak, _: peak <= target)
+    result.estimates = {f: peak for f, (peak, _) in curve.items()}
+    fitting = [f for f, e in result.estimates.items() if e <= target]
+    start = grid.index(fitting[0] if fitting else list(result.estimates)[-1])
+    best = None
+    if evaluate(grid[start]) <= target:
+        best = grid[start]
+        for f in reversed(grid[:start]):  # more saved, less recompute, while it still fits
+            if evaluate(f) > target:
+                break
+            best = f
+    else:
+        for f in grid[start + 1:]:
+            if evaluate(f) <= target:
+                best = f
+                break
+    if best is None:
+        least = min(result.tried, key=result.tried.get)
+        raise PeakInfeasible(
+            f"remat_fx: remat.fit: no plan measured a step peak at or under {fmt_bytes(target)} ({target:,} bytes: "
+            f"the limit {fmt_bytes(limit)} less the margin {margin:g}): "
+            f"the least measured is {fmt_bytes(result.tried[least])} ({result.tried[least]:,} bytes), with every "
+            f"graph at memory_budget {'none' if least is None else f'{least:g}'}. Raise the limit to at least "
+            f"{int(result.tried[least] / (1 - margin)):,} bytes, or shrink the step (batch, sequence length).")
+    if list(result.tried)[-1] != best:
+        for g in graphs:
+            g.relower(shared_options(g.options, best))
+    for g in graphs:
+        record(g.plan)
+    result.fraction, result.measured = best, result.tried[best]
+    if scope.directory is not None:
+        _save(graphs, best, result.measured, scope)
+    result.seconds = time.perf_counter() - t0
+    log.info("%s", result)
+    return result
+
+
+def _fraction_of(graph: CompiledGraph) -> Optional[float]:
+    budget = graph.active.memory_budget
+    return None if budget is None else budget.fraction

@@ -1,0 +1,467 @@
+"""The step: every graph the ``remat`` backend compiled, seen as one training step.
+
+A training step is often several compiled graphs: a graph break splits the blocks, Hugging Face
+compiles the loss apart, DDP splits at its buckets, and one graph may run once per layer. A
+forward's saved tensors stay alive through every later forward of the step until its own
+backward, so a limit on one graph's memory is not a limit on the step's. This module
+
+* wraps every compiled graph in a :class:`CompiledGraph` that records its calls, so the calls of
+  the last step are known (a step ends when a backward starts; the next forward starts a new one);
+* estimates the peak of the whole step from the per-graph estimates (:func:`step_peak`): the
+  forwards in call order, each on top of what the earlier calls left for their backward, then the
+  backwards in reverse order, each on top of what the earlier calls still hold and the parameter
+  gradients the later ones made;
+* plans a whole-step ``peak_budget``: while the first step compiles, each graph gets what the calls
+  before it in the step leave of the limit; once the step has run, if its estimate is over the
+  limit (the first graphs took too much), every graph of the step is planned again with one shared
+  memory budget, the largest on a grid whose whole-step estimate fits (:func:`plan_step`);
+* reports it: :func:`step_report`.
+
+The measured fit (``remat.fit``, remat_fx/fit.py) uses the same pieces with measured peaks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from remat_fx.memory_budget import Budget, fmt_bytes
+from remat_fx.options import BackendOptions
+from remat_fx.passes import partition as _partition
+from remat_fx.passes.lower import lower
+from remat_fx.passes.peak import PeakInfeasible
+from remat_fx.passes.plan import Plan, last_plan
+
+log = logging.getLogger("remat_fx")
+
+# shared memory budgets tried for a whole step, largest (fastest) first; None: no budget
+GRID: Tuple[Optional[float], ...] = (None, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05, 0.0)
+
+
+@dataclass(frozen=True)
+class CallCost:
+    """What one call of a compiled graph adds to the step (bytes, from its plan's estimate)."""
+
+    saved: int  # what its forward leaves for its backward (not counting its inputs)
+    held: int  # its other outputs (alive until its backward, at the latest)
+    forward: int  # its forward's peak above the forward's start
+    backward: int  # its backward's peak above the backward's start (saved and held included)
+    grads: int  # the parameter gradients its backward leaves behind
+
+
+def call_cost(plan: Plan, grads: int) -> CallCost:
+    p = plan.peak
+    return CallCost(saved=p.saved, held=p.held, forward=p.forward, backward=p.backward, grads=grads)
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    peak: int  # bytes above the step's start
+    call: int  # index of the call at whose forward or backward it is reached
+    phase: str  # "forward" or "backward"
+    at: Tuple[int, ...]  # the step's estimated bytes at each call's forward, then each backward (reverse)
+
+
+def step_peak(costs: Sequence[CallCost]) -> StepPeak:
+    """The estimated peak of a step whose forwards run in the order of ``costs`` and whose
+    backwards run in reverse."""
+    at: List[int] = []
+    best = (0, 0, "forward")
+    base = 0
+    for i, c in enumerate(costs):
+        at.append(base + c.forward)
+        if at[-1] > best[0]:
+            best = (at[-1], i, "forward")
+        base += c.saved + c.held
+    grads = 0
+    for i in reversed(range(len(costs))):
+        c = costs[i]
+        base -= c.saved + c.held
+        at.append(base + grads + c.backward)
+        if at[-1] > best[0]:
+            best = (at[-1], i, "backward")
+        grads += c.grads
+    return StepPeak(best[0], best[1], best[2], tuple(at))
+
+
+def _grad_bytes(joint) -> int:
+    """Bytes of the parameter gradients one backward of this joint graph returns."""
+    gm, _, kwargs = joint
+    params = set(kwargs.get("static_lifetime_input_indices") or ())
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    grads = out[kwargs["num_fwd_outputs"]:]
+    total = 0
+    for i, g in enumerate(grads):
+        if i in params and isinstance(g, fx.Node) and isinstance(g.meta.get("val"), torch.Tensor):
+            total += int(g.meta["val"].untyped_storage().nbytes())
+    return total
+
+
+def graph_key(gm: fx.GraphModule, example_inputs) -> str:
+    """A key of the graph that is the same in every process running the same model: its code
+    and its inputs' shapes, strides and dtypes, and the torch version."""
+    digest = hashlib.sha256(gm.code.encode())
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            digest.update(repr((tuple(x.shape), tuple(x.stride()), str(x.dtype), x.device.type,
+                                x.requires_grad)).encode())
+        else:
+            digest.update(repr(type(x).__name__).encode())
+    digest.update(torch.__version__.encode())
+    return digest.hexdigest()[:24]
+
+
+class CompiledGraph:
+    """The callable the backend hands Dynamo for one graph: the lowered graph, its plan, and
+    what the step coordinator needs to plan it again (the Dynamo graph and its example inputs,
+    the joint graph its partition saw)."""
+
+    _count = 0
+
+    def __init__(self, gm: fx.GraphModule, example_inputs, options: BackendOptions, key: str):
+        CompiledGraph._count += 1
+        self.index = CompiledGraph._count - 1
+        self.gm, self.example_inputs, self.options, self.key = gm, example_inputs, options, key
+        self.fn: Optional[Callable] = None
+        self.plan: Optional[Plan] = None  # None: an inference graph (nothing saved for backward)
+        self.joint = None  # (joint graph, joint inputs, partition kwargs)
+        self.grads = 0
+        self.active: Optional[BackendOptions] = None  # what it was lowered with
+        self.over = False  # planned with less than the step's limit left for it
+        self.cached = False  # compiled with a plan from remat.fit's cache
+        self.seconds = 0.0  # compile time
+
+    def compile(self, options: BackendOptions) -> None:
+        t0 = time.perf_counter()
+        with _partition.capture_joints() as joints:
+            fn = lower(self.gm, self.example_inputs, options)
+        if joints:
+            self.joint = joints[-1]
+            self.plan = last_plan()
+            self.grads = _grad_bytes(self.joint)
+            self.plan.graph = self.index
+        self.fn, self.active = fn, options
+        self.seconds += time.perf_counter() - t0
+
+    def relower(self, options: BackendOptions) -> None:
+        """Lower again with other options (outside Dynamo: in the fake mode it traced with)."""
+        from torch._guards import TracingContext, detect_fake_mode, tracing
+
+        with tracing(TracingContext(detect_fake_mode(self.example_inputs))):
+            self.compile(options)
+
+    def estimate(self, options: BackendOptions) -> Plan:
+        """The plan ``options`` would give, from the joint graph alone (no lowering)."""
+        from remat_fx.pareto import _tracing
+
+        gm, joint_inputs, kwargs = self.joint
+        with _tracing(joint_inputs):
+            _partition.partition(gm, joint_inputs, options=options, **kwargs)
+        return last_plan()
+
+    @property
+    def cost(self) -> CallCost:
+        return call_cost(self.plan, self.grads)
+
+    def __call__(self, *args):
+        training = self.plan is not None and torch.is_grad_enabled()
+        if training:
+            STEP.enter(self)
+        out = self.fn(*args)
+        if training:
+            STEP.watch(out)
+        return out
+
+    def __repr__(self) -> str:
+        return f"CompiledGraph({self.index}, {self.key})"
+
+
+class _Step:
+    """The calls of the step in progress and of the last one."""
+
+    _MAX_CALLS = 4096
+
+    def __init__(self):
+        self.calls: List[CompiledGraph] = []
+        self.last: List[CompiledGraph] = []
+        self.backward_began = False
+        self.planned: Dict[tuple, object] = {}  # step signature -> shared fraction chosen (None: kept)
+        self.step_plan: Optional[StepPlan] = None  # the last whole-step plan (plan_step)
+
+    def enter(self, graph: CompiledGraph) -> None:
+        if self.backward_began:  # the first forward after a backward: a new step
+            self.last, self.calls, self.backward_began = self.calls, [], False
+            _after_step(self.last)
+        self.calls.append(graph)
+        del self.calls[:-self._MAX_CALLS]
+
+    def watch(self, out) -> None:
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+                t.register_hook(self._began)
+                return
+
+    def _began(self, grad):
+        self.backward_began = True
+
+    def current(self) -> List[CompiledGraph]:
+        """The calls of the step in progress (its forwards so far), or a new step's (none)."""
+        return [] if self.backward_began else self.calls
+
+    def finished(self) -> List[CompiledGraph]:
+        return self.calls if self.backward_began else self.last
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+STEP = _Step()
+
+
+# -- the whole-step limit --------------------------------------------------------------------------
+def step_limit(options: BackendOptions) -> Optional[int]:
+    """The whole-step byte limit of a ``peak_budget`` given as a size or ``"auto"`` (None: none, or
+    a fraction, which each graph resolves against its own range on the first step)."""
+    budget = options.step_peak
+    if budget is None:
+        return None
+    if budget == "auto":
+        return auto_limit()
+    return budget.nbytes
+
+
+def auto_limit(margin: float = 0.1) -> int:
+    """``peak_budget="auto"``: what the CUDA device can give the step now (free memory plus what
+    PyTorch's allocator holds unused), less ``margin``."""
+    if not torch.cuda.is_available():
+        raise ValueError("remat_fx: peak_budget='auto' reads the free memory of the CUDA device, and no CUDA "
+                         "device is available; give a size instead, e.g. peak_budget='2GiB'")
+    free, _ = torch.cuda.mem_get_info()
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    return int((free + cached) * (1 - margin))
+
+
+def graph_options(options: BackendOptions) -> Tuple[BackendOptions, bool]:
+    """(options for the graph being compiled now, whether the step's limits left it less than the
+    user's): a whole-step byte ``peak_budget`` less what the calls before it in this step hold, and
+    a byte ``memory_budget`` less what they saved."""
+    before = [g for g in STEP.current() if g.plan is not None]
+    changes = {}
+    limit = step_limit(options)
+    if limit is not None:
+        held = sum(g.cost.saved + g.cost.held for g in before)
+        changes["peak_budget"] = max(limit - held, 1)
+    budget = options.memory_budget
+    if budget is not None and budget.nbytes is not None and before:
+        changes["memory_budget"] = Budget(nbytes=max(budget.nbytes - sum(g.plan.total_bytes for g in before), 0))
+    shrunk = bool(before) and bool(changes)
+    return (dataclasses.replace(options, **changes) if changes else options), shrunk
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) -> CompiledGraph:
+    """Lower one graph for the backend, planned for the step it is part of."""
+    from remat_fx import measured_fit as _fit
+    from remat_fx.passes.budget import BudgetInfeasible
+
+    graph = CompiledGraph(gm, example_inputs, options, graph_key(gm, example_inputs))
+    cached = _fit.cached_options(graph, options)
+    if cached is not None:
+        graph.compile(cached)
+        return graph
+    per_graph, shrunk = graph_options(options)
+    if not shrunk:
+        graph.compile(per_graph)
+        return graph
+    try:
+        graph.compile(per_graph)
+    except (PeakInfeasible, BudgetInfeasible):  # the calls before it took the step's limit
+        log.warning("remat_fx: the calls before graph %d in this step leave it less than its least plan needs "
+                    "(peak_budget %s, memory_budget %s left); it is compiled at memory_budget 0 for now, and the "
+                    "step is planned again as a whole once it has run", graph.index,
+                    "-" if per_graph.peak_budget is None else fmt_bytes(per_graph.peak_budget),
+                    per_graph.memory_budget)
+        graph.compile(dataclasses.replace(options, peak_budget=None, peak_fraction=None,
+                                          memory_budget=Budget(fraction=0.0)))
+        graph.over = True
+    return graph
+
+
+def _signature(calls: Sequence[CompiledGraph]) -> tuple:
+    return tuple(g.index for g in calls)
+
+
+def _after_step(calls: List[CompiledGraph]) -> None:
+    """Once a step of several calls has run: plan it again as a whole if it has a whole-step limit
+    (a byte peak_budget or memory_budget) it is estimated to exceed, or a fraction peak_budget to
+    resolve on the whole step's range (its first graphs were planned before the later ones were
+    known)."""
+    if len(calls) < 2 or any(g.plan is None for g in calls):
+        return
+    opts = calls[0].options
+    if any(g.options.key() != opts.key() for g in calls):
+        return  # graphs of other models or options: not one step's to plan
+    sig = _signature(calls)
+    if sig in STEP.planned:
+        return
+    STEP.planned[sig] = None
+    limit = step_limit(opts)
+    budget = opts.memory_budget
+    saved_limit = budget.nbytes if budget is not None else None
+    if limit is None and opts.step_peak is not None:
+        plan_step(calls, fraction=opts.step_peak.fraction, saved_limit=saved_limit)
+        return
+    over = any(g.over for g in calls)
+    if limit is not None and step_peak([g.cost for g in calls]).peak > limit:
+        over = True
+    if saved_limit is not None and sum(g.plan.total_bytes for g in calls) > saved_limit:
+        over = True
+    if over:
+        plan_step(calls, limit=limit, saved_limit=saved_limit)
+
+
+@dataclass
+class StepPlan:
+    """The shared memory budget a whole step was planned with, and its estimates."""
+
+    fraction: Optional[float]  # the shared memory_budget (None: the user's, or none)
+    estimate: int  # the whole-step estimated peak with it
+    saved: int  # the whole step's saved bytes with it
+    limit: Optional[int]
+    tried: Dict[Optional[float], Tuple[int, int]] = field(default_factory=dict)  # fraction -> (peak, saved)
+    seconds: float = 0.0
+
+
+def shared_options(options: BackendOptions, fraction: Optional[float]) -> BackendOptions:
+    """``options`` with one shared memory budget for every graph of the step (None: the user's
+    memory budget if it is a fraction, else none) and the whole-step limits taken off."""
+    if fraction is not None:
+        budget = Budget(fraction=fraction)
+    else:
+        user = options.memory_budget
+        budget = user if user is not None and user.nbytes is None else None
+    return dataclasses.replace(options, memory_budget=budget, peak_budget=None, peak_fraction=None, step_peak=None)
+
+
+def candidates(options: BackendOptions) -> List[Optional[float]]:
+    """The shared budgets a step may be planned with: ``GRID``, under the user's memory budget
+    fraction if there is one."""
+    user = options.memory_budget
+    if user is None or user.nbytes is not None:
+        return list(GRID)
+    return [None] + [f for f in GRID[1:] if f < user.fraction]
+
+
+def estimate_curve(calls: Sequence[CompiledGraph], fractions: Optional[Sequence] = None,
+                   stop: Optional[Callable[[int, int], bool]] = None) -> Dict:
+    """{shared memory budget: (whole-step estimated peak, whole-step saved bytes)}, re-partitioning
+    each graph's joint graph (no lowering); stops after the first for which ``stop(peak, saved)``."""
+    graphs = list(dict.fromkeys(calls))
+    curve: Dict[Optional[float], Tuple[int, int]] = {}
+    for f in candidates(calls[0].options) if fractions is None else fractions:
+        t0 = time.perf_counter()
+        costs, saved = {}, {}
+        for g in graphs:
+            plan = g.estimate(shared_options(g.options, f))
+            costs[g], saved[g] = call_cost(plan, g.grads), plan.total_bytes
+        curve[f] = (step_peak([costs[g] for g in calls]).peak, sum(saved[g] for g in calls))
+        log.info("remat_fx: step of %d calls of %d graphs, shared memory_budget %s: estimated peak %s, saved %s "
+                 "(%.1f s)", len(calls), len(graphs), "-" if f is None else f"{f:g}", fmt_bytes(curve[f][0]),
+                 fmt_bytes(curve[f][1]), time.perf_counter() - t0)
+        if stop is not None and stop(*curve[f]):
+            break
+    return curve
+
+
+def plan_step(calls: List[CompiledGraph], limit: Optional[int] = None, fraction: Optional[float] = None,
+              saved_limit: Optional[int] = None) -> StepPlan:
+    """Plan every graph of a step with one shared memory budget: the largest of ``candidates``
+    whose whole-step estimated peak is at most ``limit`` (for a ``fraction``: at most the least
+    estimate plus that fraction of the way to the largest budget's) and whose whole-step saved bytes
+    are at most ``saved_limit``, and lower them again. The candidates are walked from the top and
+    the first that fits is taken, so a smaller limit never gets a higher estimate."""
+    t0 = time.perf_counter()
+    if fraction is not None:
+        curve = estimate_curve(calls)
+        top = next(iter(curve.values()))[0]
+        low = min(peak for peak, _ in curve.values())
+        limit = low + int(fraction * max(top - low, 0))
+
+    def fits(peak, saved):
+        return (limit is None or peak <= limit) and (saved_limit is None or saved <= saved_limit)
+
+    if fraction is None:
+        curve = estimate_curve(calls, stop=fits)
+    fitting = [f for f, (peak, saved) in curve.items() if fits(peak, saved)]
+    what = " and ".join(w for w in (limit is not None and f"peak_budget {fmt_bytes(limit)} ({limit:,} bytes)",
+                                     saved_limit is not None and f"memory_budget {fmt_bytes(saved_limit)}") if w)
+    if not fitting:
+        best = min(curve, key=lambda f: curve[f])
+        raise PeakInfeasible(
+            f"remat_fx: {what} for the whole step ({len(calls)} calls of {len(set(calls))} compiled graphs) is "
+            f"below every plan found: the lowest estimated step peak is {fmt_bytes(curve[best][0])} "
+            f"({curve[best][0]:,} bytes), saving {fmt_bytes(curve[best][1])}, with every graph at memory_budget "
+            f"{'-' if best is None else f'{best:g}'}. Raise the limit, or shrink the step (batch, sequence length).")
+    chosen = fitting[0]
+    for g in dict.fromkeys(calls):
+        g.relower(shared_options(g.options, chosen))
+        g.over = False
+    result = StepPlan(chosen, curve[chosen][0], curve[chosen][1], limit, curve, time.perf_counter() - t0)
+    STEP.planned[_signature(calls)] = chosen
+    STEP.step_plan = result
+    log.info("remat_fx: step planned as a whole (%s): shared memory_budget %s, estimated peak %s, saved %s (%.1f s)",
+             what, "-" if chosen is None else f"{chosen:g}", fmt_bytes(result.estimate), fmt_bytes(result.saved),
+             result.seconds)
+    return result
+
+
+# -- the report ------------------------------------------------------------------------------------
+@dataclass
+class StepReport:
+    """The compiled graphs of the last training step, in call order, with their estimates."""
+
+    calls: List[Tuple[int, Plan, CallCost]]  # (graph index, its plan, what the call adds)
+    peak: Optional[StepPeak]
+    limit: Optional[int] = None
+
+    @property
+    def graphs(self) -> Dict[int, Plan]:
+        return {i: plan for i, plan, _ in self.calls}
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes saved for backward by all the step's calls together (alive at the end of the forwards)."""
+        return sum(c.saved for _, _, c in self.calls)
+
+    def __str__(self) -> str:
+        if not self.calls:
+            return "remat step: no training step has run a graph compiled with backend='remat'"
+        p = self.peak
+        lines = [f"remat step: {len(self.calls)} calls of {len(self.graphs)} compiled graphs; estimated step peak "
+                 f"{fmt_bytes(p.peak)} (at the {p.phase} of call {p.call}), saved for backward {fmt_bytes(self.saved_bytes)}"
+                 + ("" if self.limit is None else f"; peak_budget {fmt_bytes(self.limit)}"),
+                 f"  {'call':>4s} {'graph':>5s} {'saved':>12s} {'held':>12s} {'fw peak':>12s} {'bw peak':>12s} "
+                 f"{'grads':>12s} {'step at fw':>12s} {'step at bw':>12s}  budget"]
+        n = len(self.calls)
+        for k, (i, plan, c) in enumerate(self.calls):
+            budget = "-" if plan.budget is None else plan.budget.budget
+            lines.append(f"  {k:>4d} {i:>5d} {fmt_bytes(c.saved):>12s} {fmt_bytes(c.held):>12s} "
+                         f"{fmt_bytes(c.forward):>12s} {fmt_bytes(c.backward):>12s} {fmt_bytes(c.grads):>12s} "
+                         f"{fmt_bytes(p.at[k]):>12s} {fmt_bytes(p.at[2 * n - 1 - k]):>12s}  {budget}")
+        return "\n".join(lines)
+
+
+def step_report() -> StepReport:
+    """Every compiled graph of the last training step (the step in progress once its backward has
+    begun), with saved bytes and estimated peaks per call, and the estimated peak of the whole step."""
+    calls = [g for g in STEP.finished() if g.plan is not None]
+    costs = [g.cost for g in calls]
+    limit = step_limit(calls[0].options) if calls and calls[0].options.step_peak not in (None, "auto") else None
+    return StepReport([(g.index, g.plan, c) for g, c in zip(calls, costs)], step_peak(costs) if calls else None,
+                      limit)

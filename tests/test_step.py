@@ -1,0 +1,227 @@
+"""The whole step: several compiled graphs (a graph break in the middle of the blocks), one
+report, one peak_budget for all of them, and the measured fit with its plan cache."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import remat_fx as remat
+from remat_fx.measure import step_peak_bytes
+from remat_fx.passes.peak import PeakInfeasible
+from remat_fx.step import STEP, CallCost, step_peak
+
+MODEL = '''
+import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.up = torch.nn.Linear(d, 4 * d)
+        self.down = torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln(x))))
+
+
+class Model(torch.nn.Module):
+    """Blocks with a graph break halfway: a step of several compiled graphs."""
+
+    def __init__(self, d=64, n=4):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(n))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if i == len(self.blocks) // 2:
+                torch._dynamo.graph_break()
+            x = block(x)
+        return x.square().mean()
+
+
+def make(compile_options=None, seed=0):
+    torch.manual_seed(seed)
+    model = Model()
+    x = torch.randn(8, 128, 64, generator=torch.Generator().manual_seed(1))
+    run = model if compile_options is None else torch.compile(model, backend="remat", options=compile_options)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        run(x).backward()
+
+    return model, step
+'''
+_ns: dict = {}
+exec(compile(MODEL, "<test_step model>", "exec"), _ns)
+make = _ns["make"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_step():
+    torch._dynamo.reset()
+    STEP.reset()
+    yield
+    torch._dynamo.reset()
+    STEP.reset()
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _measure(step, steps=3):
+    for _ in range(steps):
+        step()
+    return step_peak_bytes(step)
+
+
+def test_step_peak_adds_what_earlier_calls_hold():
+    a = CallCost(saved=10, held=2, forward=20, backward=30, grads=4)
+    b = CallCost(saved=5, held=1, forward=8, backward=12, grads=3)
+    got = step_peak([a, b, b])
+    # forwards: 20, 12+8, 18+8; backwards (reverse): 18+12, 12+3+12, 0+6+30
+    assert got.at == (20, 20, 26, 30, 27, 36)
+    assert (got.peak, got.call, got.phase) == (36, 0, "backward")
+
+
+def test_step_report_lists_every_call_and_estimates_the_whole_step():
+    model, step = make({"lower": "eager"})
+    measured = _measure(step)
+    report = remat.step_report()
+    assert len(report.calls) >= 2 and len(report.graphs) >= 2  # the graph break: several graphs, several calls
+    plans = [plan for _, plan, _ in report.calls]
+    assert report.saved_bytes == sum(p.peak.saved for p in plans)
+    assert report.peak.peak == step_peak([c for _, _, c in report.calls]).peak
+    assert report.peak.peak > max(p.peak.step for p in plans)  # the step holds more than any one graph
+    assert abs(report.peak.peak - measured) <= 0.1 * measured, (report.peak.peak, measured)
+    text = str(report)
+    assert text.startswith(f"remat step: {len(report.calls)} calls of {len(report.graphs)} compiled graphs")
+    assert "step at bw" in text
+
+
+def test_whole_step_peak_budget_holds_across_a_graph_break():
+    eager_model, eager_step = make()
+    eager_step()
+    want = _grads(eager_model)
+    free = _measure(make({"lower": "eager"})[1])
+    torch._dynamo.reset()
+    STEP.reset()
+    limit = int(free * 0.6)
+    model, step = make({"lower": "eager", "peak_budget": limit})
+    measured = _measure(step)
+    assert measured <= limit, (measured, limit, free)
+    report = remat.step_report()
+    assert report.limit == limit and report.peak.peak <= limit
+    assert f"peak_budget {remat.memory_budget.fmt_bytes(limit)}" in str(report)
+    step()
+    for a, b in zip(_grads(model), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_byte_memory_budget_holds_for_the_whole_step():
+    eager_model, eager_step = make()
+    eager_step()
+    want = _grads(eager_model)
+    _measure(make({"lower": "eager"})[1], steps=1)
+    free_saved = remat.step_report().saved_bytes
+    torch._dynamo.reset()
+    STEP.reset()
+    budget = free_saved // 2
+    model, step = make({"lower": "eager", "memory_budget": budget})
+    for _ in range(3):
+        step()
+    report = remat.step_report()
+    assert len(report.calls) >= 2
+    assert report.saved_bytes <= budget < free_saved, (report.saved_bytes, budget, free_saved)
+    assert all(plan.total_bytes < budget for _, plan, _ in report.calls)
+    for a, b in zip(_grads(model), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_whole_step_peak_fractions_are_monotone():
+    peaks, estimates = [], []
+    for fraction in (1.0, 0.5, 0.0):
+        torch._dynamo.reset()
+        STEP.reset()
+        _, step = make({"lower": "eager", "peak_budget": fraction})
+        peaks.append(_measure(step))
+        estimates.append(remat.step_report().peak.peak)
+    assert estimates == sorted(estimates, reverse=True), estimates
+    # measured: non-increasing up to the profiler timeline's run-to-run spread (< 1%: a few KiB here)
+    assert all(b <= a * 1.01 for a, b in zip(peaks, peaks[1:])), peaks
+    assert peaks[-1] < 0.7 * peaks[0], peaks
+
+
+def test_peak_budget_and_fit_limits_are_checked_when_given():
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="peak_budget'='auto' reads the free memory of the CUDA device"):
+            remat.options.parse_options({"peak_budget": "auto"})
+    with pytest.raises(ValueError, match="remat.fit's peak must be a size"):
+        remat.fit(lambda: None, peak=0.5)
+    with pytest.raises(ValueError, match="margin must be a fraction"):
+        remat.fit(lambda: None, peak="1MiB", margin=1.5)
+    with pytest.raises(ValueError, match="ran no graph compiled with backend='remat'"):
+        remat.fit(lambda: None, peak="1MiB", cache=False)
+
+
+def test_fit_names_the_least_measured_peak_when_nothing_fits():
+    _, step = make({"lower": "eager"})
+    with pytest.raises(PeakInfeasible, match=r"no plan measured a step peak at or under .* the least measured is"):
+        remat.fit(step, peak=64 * 1024, cache=False)
+
+
+JOB = '''
+import json, sys, torch
+import remat_fx as remat
+sys.path.insert(0, {here!r})
+exec(open({model!r}).read())
+eager_model, eager_step = make()
+eager_step()
+want = [p.grad.clone() for p in eager_model.parameters()]
+model, step = make({{"lower": "eager"}})
+result = remat.fit(step, peak={limit}, cache_dir={cache!r})
+measured = remat.measure.step_peak_bytes(step)
+got = [p.grad.clone() for p in model.parameters()]
+ok = all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, want))
+print(json.dumps({{"fraction": result.fraction, "cached": result.cached, "tried": len(result.tried),
+                   "measured": measured, "grads_equal": ok,
+                   "saved": [plan.total_bytes for _, plan, _ in remat.step_report().calls]}}))
+'''
+
+
+def test_fit_fits_the_measured_peak_and_a_second_process_takes_the_cached_plan(tmp_path):
+    (tmp_path / "model.py").write_text(MODEL)
+    free = _measure(make({"lower": "eager"})[1])
+    limit = int(free * 0.55)
+    script = tmp_path / "job.py"
+    script.write_text(JOB.format(here=str(tmp_path), model=str(tmp_path / "model.py"), limit=limit,
+                                 cache=str(tmp_path / "cache")))
+
+    def job():
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = job()
+    assert not first["cached"] and first["tried"] >= 2
+    assert first["measured"] <= limit and first["grads_equal"]
+    assert list((tmp_path / "cache").glob("fit-*.json"))
+    second = job()
+    assert second["cached"] and second["tried"] == 1  # no search
+    assert second["fraction"] == first["fraction"] and second["saved"] == first["saved"]
+    assert second["measured"] <= limit and second["grads_equal"]
+
+
+def test_fit_without_a_cache_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("REMAT_FX_CACHE_DIR", str(tmp_path))
+    _, step = make({"lower": "eager"})
+    free = _measure(step)
+    result = remat.fit(step, peak=int(free * 0.7), cache=False)
+    assert result.measured <= int(free * 0.7) and not result.cached
+    assert not list(tmp_path.iterdir())
+    text = str(result)
+    assert text.startswith("remat.fit: ") and "<- chosen" in text
