@@ -40,6 +40,7 @@ from remat_fx.passes.peak import PeakInfeasible
 from remat_fx.passes.plan import Plan, last_plan
 
 log = logging.getLogger("remat_fx")
+_SLOW_S = 2.0  # compiles longer than this are logged (logger "remat_fx", level INFO)
 
 # shared memory budgets tried for a whole step, largest (fastest) first; None: no budget
 GRID: Tuple[Optional[float], ...] = (None, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05, 0.0)
@@ -148,7 +149,14 @@ class CompiledGraph:
             self.grads = _grad_bytes(self.joint)
             self.plan.graph = self.index
         self.fn, self.active = fn, options
-        self.seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.seconds += seconds
+        if seconds > _SLOW_S and self.plan is not None:
+            budget = self.plan.budget
+            log.info("remat_fx: graph %d compiled in %.1f s: partition %.1f s (%s%d plans estimated), %d saved, "
+                     "estimated peak %s", self.index, seconds, self.plan.partition_seconds,
+                     "" if budget is None else f"{budget.solver} solver, ", max(self.plan.peak_evaluations, 1),
+                     len(self.plan.saved), fmt_bytes(self.plan.peak.step))
 
     def relower(self, options: BackendOptions) -> None:
         """Lower again with other options (outside Dynamo: in the fake mode it traced with)."""
