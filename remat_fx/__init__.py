@@ -8,6 +8,7 @@ from remat_fx.annotate import annotate
 from remat_fx.backend import backend
 from remat_fx.measured_fit import FitResult, fit
 from remat_fx.pareto import ParetoPoint, pareto
+from remat_fx.passes.peak import PeakInfeasible
 from remat_fx.passes.plan import BudgetReport, Plan, SavedActivation, last_plan
 from remat_fx.policy import CheckpointPolicy
 from remat_fx.runtime.checkpoint import checkpoint
@@ -21,6 +22,7 @@ from remat_fx.step import StepReport, step_report
 __all__ = [
     "BudgetReport",
     "FitResult",
+    "PeakInfeasible",
     "StepReport",
     "fit",
     "step_report",

@@ -21,10 +21,12 @@ The measured fit (``remat.fit``, remat_fx/fit.py) uses the same pieces with meas
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -119,6 +121,22 @@ def graph_key(gm: fx.GraphModule, example_inputs) -> str:
     return digest.hexdigest()[:24]
 
 
+def _copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a graph Dynamo made, with what AOTAutograd reads of Dynamo's private metadata to
+    tell parameters from activations (``gm.meta``, ``gm._param_name_to_source``, each placeholder's
+    ``_dynamo_source``; torch 2.13/2.14). Without them a graph lowered again counts the parameters
+    as saved activations and their gradients as nothing."""
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    copied.meta = dict(gm.meta)
+    for name in ("_param_name_to_source", "_source_to_user_stacks"):
+        if hasattr(gm, name):
+            setattr(copied, name, getattr(gm, name))
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"), copied.graph.find_nodes(op="placeholder")):
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    return copied
+
+
 class CompiledGraph:
     """The callable the backend hands Dynamo for one graph: the lowered graph, its plan, and
     what the step coordinator needs to plan it again (the Dynamo graph and its example inputs,
@@ -129,7 +147,14 @@ class CompiledGraph:
     def __init__(self, gm: fx.GraphModule, example_inputs, options: BackendOptions, key: str):
         CompiledGraph._count += 1
         self.index = CompiledGraph._count - 1
+        from torch._guards import TracingContext
+
         self.gm, self.example_inputs, self.options, self.key = gm, example_inputs, options, key
+        # what a later lowering starts from: the graph as Dynamo made it (Inductor's passes rewrite the
+        # graph they are given) and the fake mode Dynamo traced it in
+        self.pristine = _copy_dynamo_graph(gm)
+        context = TracingContext.try_get()
+        self.fake_mode = context.fake_mode if context is not None else None
         self.fn: Optional[Callable] = None
         self.plan: Optional[Plan] = None  # None: an inference graph (nothing saved for backward)
         self.joint = None  # (joint graph, joint inputs, partition kwargs)
@@ -149,6 +174,7 @@ class CompiledGraph:
             self.grads = _grad_bytes(self.joint)
             self.plan.graph = self.index
         self.fn, self.active = fn, options
+        self.example_inputs = self._fakes(self.example_inputs)
         seconds = time.perf_counter() - t0
         self.seconds += seconds
         if seconds > _SLOW_S and self.plan is not None:
@@ -158,11 +184,28 @@ class CompiledGraph:
                      "" if budget is None else f"{budget.solver} solver, ", max(self.plan.peak_evaluations, 1),
                      len(self.plan.saved), fmt_bytes(self.plan.peak.step))
 
+    def _fakes(self, inputs) -> list:
+        """The example inputs as fake tensors: the real ones Dynamo passed would keep the first
+        call's inputs alive for good (and with them the autograd graph of the graph before it)."""
+        if self.fake_mode is None:
+            from torch._guards import detect_fake_mode
+
+            self.fake_mode = detect_fake_mode(inputs)
+        if self.fake_mode is None:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            self.fake_mode = FakeTensorMode()
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        return [self.fake_mode.from_tensor(x, static_shapes=True)
+                if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x for x in inputs]
+
     def relower(self, options: BackendOptions) -> None:
         """Lower again with other options (outside Dynamo: in the fake mode it traced with)."""
         from torch._guards import TracingContext, detect_fake_mode, tracing
 
-        with tracing(TracingContext(detect_fake_mode(self.example_inputs))):
+        self.gm = _copy_dynamo_graph(self.pristine)
+        with tracing(TracingContext(self.fake_mode or detect_fake_mode(self.example_inputs))):
             self.compile(options)
 
     def estimate(self, options: BackendOptions) -> Plan:
@@ -184,47 +227,82 @@ class CompiledGraph:
             STEP.enter(self)
         out = self.fn(*args)
         if training:
-            STEP.watch(out)
+            STEP.watch(self, out)
         return out
 
     def __repr__(self) -> str:
         return f"CompiledGraph({self.index}, {self.key})"
 
 
+class _Pending:
+    """Registered as a pre-hook on the autograd node of one call's outputs: alive while that call's
+    autograd graph is (its saved tensors too), and told when its backward begins."""
+
+    def __call__(self, grad_outputs):
+        STEP.began()
+
+
+def _graph_node(out):
+    """The autograd node of a compiled graph's outputs (past views of them), or None."""
+    for t in pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+            node = t.grad_fn
+            for _ in range(3):  # an aliased output's view node sits on top of the graph's own node
+                if "CompiledFunction" in node.name():
+                    break
+                parents = [n for n, _ in node.next_functions if n is not None]
+                if not parents:
+                    break
+                node = parents[0]
+            return node if "CompiledFunction" in node.name() else t.grad_fn
+    return None
+
+
 class _Step:
-    """The calls of the step in progress and of the last one."""
+    """The calls of the step in progress and of the last one.
+
+    A call belongs to the step in progress while its autograd graph is alive and no backward has
+    begun: a forward whose outputs were dropped without a backward (an evaluation, a test) holds no
+    memory and is not part of the next step."""
 
     _MAX_CALLS = 4096
 
     def __init__(self):
-        self.calls: List[CompiledGraph] = []
-        self.last: List[CompiledGraph] = []
+        self.calls: List[Tuple[CompiledGraph, Callable]] = []  # (graph, weak reference to its _Pending)
+        self.last: List[CompiledGraph] = []  # the calls of the last step
         self.backward_began = False
         self.planned: Dict[tuple, object] = {}  # step signature -> shared fraction chosen (None: kept)
         self.step_plan: Optional[StepPlan] = None  # the last whole-step plan (plan_step)
 
     def enter(self, graph: CompiledGraph) -> None:
         if self.backward_began:  # the first forward after a backward: a new step
-            self.last, self.calls, self.backward_began = self.calls, [], False
+            self.calls, self.backward_began = [], False
             _after_step(self.last)
-        self.calls.append(graph)
-        del self.calls[:-self._MAX_CALLS]
+        self.calls = [(g, alive) for g, alive in self.calls[-self._MAX_CALLS:] if alive() is not None]
 
-    def watch(self, out) -> None:
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
-                t.register_hook(self._began)
-                return
+    def watch(self, graph: CompiledGraph, out) -> None:
+        node = _graph_node(out)
+        if node is None:
+            return
+        pending = _Pending()
+        node.register_prehook(pending)
+        self.calls.append((graph, weakref.ref(pending)))
 
-    def _began(self, grad):
-        self.backward_began = True
+    def began(self) -> None:
+        """A backward began: the step's forwards are the calls alive now."""
+        if not self.backward_began:
+            self.backward_began, self.last = True, self._live()
+
+    def _live(self) -> List[CompiledGraph]:
+        return [g for g, alive in self.calls if alive() is not None]
 
     def current(self) -> List[CompiledGraph]:
         """The calls of the step in progress (its forwards so far), or a new step's (none)."""
-        return [] if self.backward_began else self.calls
+        return [] if self.backward_began else self._live()
 
     def finished(self) -> List[CompiledGraph]:
-        return self.calls if self.backward_began else self.last
+        """The calls of the last step whose backward has begun."""
+        return self.last
 
     def reset(self) -> None:
         self.__init__()
@@ -256,11 +334,13 @@ def auto_limit(margin: float = 0.1) -> int:
     return int((free + cached) * (1 - margin))
 
 
-def graph_options(options: BackendOptions) -> Tuple[BackendOptions, bool]:
+def graph_options(options: BackendOptions, before: Optional[Sequence[CompiledGraph]] = None
+                  ) -> Tuple[BackendOptions, bool]:
     """(options for the graph being compiled now, whether the step's limits left it less than the
-    user's): a whole-step byte ``peak_budget`` less what the calls before it in this step hold, and
-    a byte ``memory_budget`` less what they saved."""
-    before = [g for g in STEP.current() if g.plan is not None]
+    user's): a whole-step byte ``peak_budget`` less what the calls ``before`` it in this step hold
+    (default: the step's calls so far), and a byte ``memory_budget`` less what they saved."""
+    if before is None:
+        before = [g for g in STEP.current() if g.plan is not None]
     changes = {}
     limit = step_limit(options)
     if limit is not None:
@@ -291,12 +371,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) -
         graph.compile(per_graph)
     except (PeakInfeasible, BudgetInfeasible):  # the calls before it took the step's limit
         log.warning("remat_fx: the calls before graph %d in this step leave it less than its least plan needs "
-                    "(peak_budget %s, memory_budget %s left); it is compiled at memory_budget 0 for now, and the "
-                    "step is planned again as a whole once it has run", graph.index,
+                    "(peak_budget %s, memory_budget %s left); it is planned against the whole limit for now, and "
+                    "the step is planned again as a whole once it has run", graph.index,
                     "-" if per_graph.peak_budget is None else fmt_bytes(per_graph.peak_budget),
                     per_graph.memory_budget)
-        graph.compile(dataclasses.replace(options, peak_budget=None, peak_fraction=None,
-                                          memory_budget=Budget(fraction=0.0)))
+        alone, _ = graph_options(options, before=())
+        graph.compile(alone)  # a limit this graph alone cannot meet raises here, naming it
         graph.over = True
     return graph
 

@@ -103,6 +103,36 @@ def test_step_report_lists_every_call_and_estimates_the_whole_step():
     assert "step at bw" in text
 
 
+def test_a_forward_without_backward_is_not_part_of_the_next_step():
+    """A forward whose outputs were dropped (an evaluation, a probe) holds nothing: it must not eat
+    the next step's limit (it did: a byte memory_budget below one graph's minimum then passed)."""
+    model, step = make({"lower": "eager"})
+    compiled = torch.compile(model, backend="remat", options={"lower": "eager"})
+    x = torch.randn(8, 128, 64)
+    for _ in range(3):
+        compiled(x)  # forwards with autograd on, their graphs dropped
+    step()
+    calls = STEP.finished()
+    assert len(calls) == len(remat.step_report().calls) and 2 <= len(calls) <= 4
+    loss = compiled(x)
+    assert STEP.current() and len(STEP.current()) <= len(calls)  # the step in progress: this forward's calls
+    del loss
+    assert STEP.current() == []
+
+
+def test_a_graph_lowered_again_keeps_parameters_apart_from_activations():
+    """A graph lowered again (remat.fit, the step planner) is traced outside Dynamo: AOTAutograd
+    must still know which inputs are parameters, or it counts them as saved activations."""
+    _, step = make({"lower": "eager"})
+    step()
+    graphs = list(dict.fromkeys(STEP.finished()))
+    before = [(g.grads, g.plan.total_bytes, sorted(s.name for s in g.plan.saved)) for g in graphs]
+    assert all(grads > 0 for grads, _, _ in before)
+    for g in graphs:
+        g.relower(g.options)
+    assert [(g.grads, g.plan.total_bytes, sorted(s.name for s in g.plan.saved)) for g in graphs] == before
+
+
 def test_whole_step_peak_budget_holds_across_a_graph_break():
     eager_model, eager_step = make()
     eager_step()
@@ -225,3 +255,31 @@ def test_fit_without_a_cache_writes_nothing(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())
     text = str(result)
     assert text.startswith("remat.fit: ") and "<- chosen" in text
+
+
+def test_a_graph_lowered_again_under_inductor_gives_eager_gradients():
+    """remat.fit and the whole-step planner lower a graph again, outside Dynamo: from the graph as
+    Dynamo made it (Inductor's passes rewrite theirs) in Dynamo's fake mode (an HF Llama's rotary
+    constants failed otherwise)."""
+    transformers = pytest.importorskip("transformers")
+    from remat_fx.step import shared_options
+
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=16, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model, backend="remat", options={"lower": "inductor"})
+    compiled(ids, labels=ids).loss.backward()
+    graphs = list(dict.fromkeys(STEP.finished()))
+    assert graphs and all(g.plan.budget is None for g in graphs)
+    for g in graphs:
+        g.relower(shared_options(g.options, 0.0))
+    model.zero_grad(set_to_none=True)
+    compiled(ids, labels=ids).loss.backward()
+    assert all(g.plan.budget is not None and g.plan.budget.budget == "0" for g in graphs)
+    for a, b in zip(_grads(model), want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
