@@ -215,20 +215,19 @@ def _grads(model, inputs, fn):
     return out
 
 
-@pytest.mark.parametrize("name, make", [("gpt", _gpt), ("hf_gpt2", _hf_gpt2)])
-def test_rerun_makes_the_peak_fall_with_the_budget(name, make):
+def test_rerun_makes_the_peak_fall_with_the_budget():
     """Estimated step peaks never rise as the memory budget shrinks when the reruns may spend the
     time they need (without reruns they did: at 0 the backward recomputed every layer before the
     last layer's gradients); gradients unchanged; the measured peak follows the estimate. With the
     default peak_slack, above the budget's minimum the reruns and the tie-break together keep the
-    estimated step time within 3% of the budget's fastest plan and never raise its peak; at the
-    minimum (budget 0) the reruns take the lowest peak of the sweep, whatever they cost. (On these
-    tiny, overhead-bound models 3% cannot buy back the rise below budget 0.2, so the defaults are
-    not monotone here; on the benchmark models they are: benchmarks/peak.py.)"""
-    model, inputs = make()
+    estimated step time within 3% of the budget's fastest plan and never raise its peak (unless
+    the monotone envelope picks a lower-peak plan that fits); at the minimum (budget 0) the reruns
+    take the lowest peak of the sweep within one forward's estimated time."""
+    model, inputs = _gpt()
     want = _grads(model, inputs, model)
     plans = {}
-    for budget in (1.0, 0.8, 0.6, 0.4, 0.2, 0.1, 0.0):
+    sweep = (1.0, 0.6, 0.2, 0.0)
+    for budget in sweep:
         for slack in (0.0, 0.03, 0.5):
             torch._dynamo.reset()
             f = torch.compile(model, backend="remat", fullgraph=True,
@@ -242,13 +241,15 @@ def test_rerun_makes_the_peak_fall_with_the_budget(name, make):
         if budget > 0:
             assert fast.rerun.reruns == 0  # peak_slack=0: nothing may be spent on the peak
             assert plan.rerun.allowance_s is not None and plan.rerun.cost_s <= plan.rerun.allowance_s
-            assert plan.step_cost_s <= 1.03 * fast.step_cost_s * (1 + 1e-9)
-        else:  # the least memory: not limited by time, the same whatever the slack
-            assert plan.rerun.allowance_s is None and plan.rerun.reruns > 0
+            assert plan.step_cost_s <= 1.03 * fast.step_cost_s * (1 + 1e-9) or \
+                plan.peak.step < fast.peak.step  # the monotone envelope's lower-peak plan
+        else:  # the least memory, within one forward's time, the same whatever the slack
+            assert plan.rerun.allowance_s is not None and plan.rerun.reruns > 0
+            assert plan.rerun.cost_s <= plan.rerun.allowance_s
             assert plan.peak.step == fast.peak.step == plans[budget, 0.5].peak.step
-    peaks = {b: plans[b, 0.03].peak.step for b in (1.0, 0.8, 0.6, 0.4, 0.2, 0.1, 0.0)}
+    peaks = {b: plans[b, 0.03].peak.step for b in sweep}
     assert peaks[0.0] == min(peaks.values()), peaks
-    free = [plans[b, 0.5].peak.step for b in (1.0, 0.8, 0.6, 0.4, 0.2, 0.1, 0.0)]
+    free = [plans[b, 0.5].peak.step for b in sweep]
     assert free == sorted(free, reverse=True), free
     off, off_peak = _measure(model, inputs, {"memory_budget": 0.0, "rerun": False})
     on, on_peak = _measure(model, inputs, {"memory_budget": 0.0})
@@ -515,3 +516,50 @@ def test_inductor_kernels_do_not_fuse_across_a_rerun():
     assert choices.can_fuse(scheduler, nodes[15], nodes[22], 0)  # near: moves nothing far
     assert choices.can_fuse(scheduler, nodes[21], nodes[39], 0)  # far, but no rerun between them
     assert choices.can_fuse(scheduler, nodes[0], nodes[19], 0)
+
+
+def test_measured_peak_never_rises_as_the_budget_falls_on_an_8_layer_llama_under_inductor():
+    """The whole step of an 8-layer Hugging Face Llama (from a LlamaConfig; benchmarks/llama_depth.py)
+    lowered by Inductor: the measured step peak (profiler memory timeline) does not rise as the
+    memory budget falls from 1 to 0, nor does remat's estimate (the monotone envelope,
+    passes/peak.py monotone_peak; the budgets between 1 and 0 lie off its grid 0.5/0.3/0.1); at 0
+    it is at or below eager per-layer torch.utils.checkpoint's, with reruns that stay within their
+    time allowance (one forward); saved bytes within each budget; gradients equal eager's."""
+    from argparse import Namespace
+    from benchmarks.llama_depth import build, grads_of
+
+    shape = Namespace(layers=8, hidden=128, intermediate=256, vocab=1000, seq=256, batch=4)  # the issue's shape
+
+    def run(loss, model, ids):
+        model.zero_grad(set_to_none=True)
+        loss(ids).backward()  # compiles a compiled loss
+        grads = grads_of(model)
+        model.zero_grad(set_to_none=True)
+        peak = step_peak_bytes(lambda: loss(ids).backward())
+        model.zero_grad(set_to_none=True)
+        return grads, peak
+
+    model, loss, ids = build(shape)
+    want, _ = run(loss, model, ids)
+    model, loss, ids = build(shape, checkpoint=True)
+    _, per_layer = run(loss, model, ids)
+    peaks, estimates = {}, {}
+    for budget in (1.0, 0.4, 0.15, 0.0):
+        torch._dynamo.reset()
+        model, loss, ids = build(shape)
+        compiled = torch.compile(loss, backend="remat", fullgraph=True,
+                                 options={"lower": "inductor", "memory_budget": budget})
+        got, peaks[budget] = run(compiled, model, ids)
+        plan = remat.last_plan()
+        estimates[budget] = plan.peak.step
+        if budget < 1:
+            assert plan.total_bytes <= plan.budget.target
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6)
+    measured = list(peaks.values())
+    assert measured == sorted(measured, reverse=True), (peaks, per_layer)
+    assert list(estimates.values()) == sorted(estimates.values(), reverse=True), estimates
+    assert peaks[0.0] <= per_layer, (peaks, per_layer)
+    assert peaks[0.0] < 0.5 * peaks[1.0], peaks
+    zero = plan.rerun
+    assert zero.reruns > 0 and zero.allowance_s is not None and zero.cost_s <= zero.allowance_s, zero

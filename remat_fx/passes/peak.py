@@ -17,12 +17,15 @@ rules, checked against the buffers of the code it generates. Inductor's buffer r
 buffer kept for a later one of its size, up to Inductor's own estimate of the peak) is not
 modelled: with a memory or peak budget passes/lower.py turns it off.
 
-Two searches use the estimate: ``fit_peak`` (option peak_budget: the fastest plan under a peak)
-and ``lower_peak`` (option peak_slack: under a memory budget, the lowest peak among plans within
-a small slack of the fastest plan's estimated step time, reruns included).
+Three searches use the estimate: ``fit_peak`` (option peak_budget: the fastest plan under a peak),
+``lower_peak`` (option peak_slack: under a memory budget, the lowest peak among plans within
+a small slack of the fastest plan's estimated step time, reruns included) and ``monotone_peak``
+(a smaller memory budget never gives a higher estimated peak than the plans of a few larger
+saved-bytes targets: otherwise the lowest-peak plan that fits the budget).
 """
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
@@ -411,4 +414,45 @@ def lower_peak(cut, budgets, first, slack: float):
     chosen.budget, chosen.target, chosen.lowered_to = report.budget, report.target, best_target
     chosen.fastest_peak, chosen.fastest_step_s = plan.peak.step, plan.step_cost_s
     chosen.solve_seconds += report.solve_seconds
+    return best
+
+
+# fractions of the saved-bytes range whose plans bound the estimated peak of smaller budgets
+_MONOTONE_GRID = (0.5, 0.3, 0.1)
+
+
+def monotone_peak(cut, budgets, chosen):
+    """The monotone envelope of a memory budget: a smaller budget must not give a higher estimated
+    peak than a larger one. ``chosen`` (lower_peak's plan) is compared with the fastest plans of the
+    grid's saved-bytes targets above the budget's (``_MONOTONE_GRID``, fractions of the feasible
+    range); when one of them has a lower estimated peak, the plan is the lowest-peak one among the
+    plans that fit the budget: ``chosen``, the grid's targets below the budget's and the feasible
+    minimum (each with its reruns; ties: the faster). The budget's saved bytes are never exceeded.
+    At the feasible minimum nothing else fits, and a budget above the grid is not compared.
+    ``cut(budgets)`` returns (fw, bw, plan, tags) and caches by target, so a grid target solved for
+    one comparison is not solved again."""
+    plan = chosen[2]
+    report = plan.budget
+    if None not in budgets or report is None or report.solver == "none" or report.target <= report.minimum:
+        return chosen
+    lo, hi = report.minimum, report.maximum
+    targets = sorted(lo + int((hi - lo) * f) for f in _MONOTONE_GRID)
+    for t in (t for t in targets if t > report.target):  # the nearest first; stop at the first lower peak
+        if cut(_overall(budgets, Budget(nbytes=t)))[2].peak.step < plan.peak.step:
+            break
+    else:
+        return chosen
+    fits = [chosen] + [cut(_overall(budgets, Budget(nbytes=t))) for t in targets if t < report.target]
+    fits.append(cut(_overall(budgets, Budget(fraction=0.0))))
+    best = min(fits, key=lambda r: (r[2].peak.step, r[2].step_cost_s))
+    if best is chosen:
+        return chosen
+    picked = best[2].budget
+    picked_target = picked.target if picked.lowered_to is None else picked.lowered_to
+    solve_s = report.solve_seconds + picked.solve_seconds
+    picked = best[2].budget = copy.copy(picked)  # a cached plan's report may be another's too
+    picked.budget, picked.target, picked.lowered_to = report.budget, report.target, picked_target
+    picked.fastest_peak = report.fastest_peak if report.lowered_to is not None else plan.peak.step
+    picked.fastest_step_s = report.fastest_step_s if report.lowered_to is not None else plan.step_cost_s
+    picked.solve_seconds = solve_s
     return best

@@ -10,8 +10,12 @@ This pass does the same without knowing the blocks, on the backward graph's live
 of passes/peak.py): at the backward's peak it picks a value held there but not used there, whose
 next use comes later, and emits a second copy of it just before that use, together with the
 values it is computed from that are no longer alive then (its closure, stopping at values that
-still are, e.g. a block's input); the later uses read the copy, so the original dies at its last
-earlier use. Candidates are ranked by bytes freed at the peak per second of recompute (the cost
+still are, e.g. a block's input; or, a second candidate, only at values that stay alive across
+the peak anyway, so that one rerun from further back frees every value on the way, as a per-block
+checkpoint does); from there on every reader of a value the closure remakes reads the copy, so
+the originals die at their last earlier use. A getitem of an op returning several tensors is
+copied with that op (the tensors are the op's: a lone copied getitem would free nothing).
+Candidates are ranked by bytes freed at the peak per second of recompute (the cost
 model's); a rerun is kept only if it lowers the step's estimated peak (or narrows the stretch at
 that peak on the way down) and its recompute fits the time allowance left, and at the end only the
 shortest prefix of reruns that reaches the lowest peak is kept. It stops when the step's peak is
@@ -243,36 +247,79 @@ def _candidates(prog: _Program, live, roots, start, last, uses, size, inlined, t
         late_users = [items[i] for i in sorted(set(later))]
         rewired = set(late_users)  # they read the copies; an inlined op among them need not be copied
         need = {m for user in late_users for m in user.ins.values() if _reaches(m, r, roots, index, inlined, rewired)}
-        closure: Dict[_Item, None] = {}
-        stack, extended, ok = list(need), {}, True
-        while stack:
-            item = stack.pop()
-            if item in closure:
+        for wide in (False, True):
+            found = _closure(prog, r, need, u, t_star, roots, index, start, last, uses, size, inlined, used_here,
+                             max_closure, wide)
+            if found is None:
                 continue
-            i = index[id(item)]
-            root = roots[i]
-            if root is not r and i < u and last[root] >= u and item not in inlined:
-                continue  # alive at u anyway (an inlined op is not: it is computed inside each reader)
-            if item.src not in prog.rerunnable:
-                extended[root] = size[root] if start[root] <= t_star and last[root] < t_star else 0
-                continue  # kept alive until u (a saved tensor, a parameter)
-            closure[item] = None
-            if len(closure) > max_closure:
-                ok = False
-                break
-            stack.extend(item.ins.values())
-        if not ok or any(m not in closure for m in need):  # e.g. an inlined op that reads a tangent
-            continue
-        freed = size[r] - sum(extended.values())
-        if freed <= 0:
-            continue
-        nodes = [it.src for it in closure]
-        seconds = sum(cost(n) for n in nodes)
-        order = sorted(closure, key=lambda it: index[id(it)])
-        out.append((freed / (seconds + 1e-9), r, {"closure": order, "need": need, "at": u, "users": late_users,
-                                                  "nodes": nodes, "seconds": seconds}))
+            closure, extended = found
+            # every later reader of a value the closure remakes reads the copy (_apply): a value held
+            # across t_star whose next use comes at u or later dies before t_star too
+            freed = -sum(extended.values())
+            for item in closure:
+                root = roots[index[id(item)]]
+                if root is item and (root is r or _freed_at(root, t_star, u, start, last, uses, used_here, size)):
+                    freed += size[root]
+            if freed <= 0:
+                continue
+            nodes = [it.src for it in closure]
+            seconds = sum(cost(n) for n in nodes)
+            order = sorted(closure, key=lambda it: index[id(it)])
+            out.append((freed / (seconds + 1e-9), r, {"closure": order, "need": need, "at": u, "users": late_users,
+                                                      "nodes": nodes, "seconds": seconds}))
     out.sort(key=lambda c: -c[0])
     return out
+
+
+def _closure(prog: _Program, r, need, u: int, t_star: int, roots, index, start, last, uses, size, inlined,
+             used_here, max_closure: int, wide: bool):
+    """(closure, extended) of a rerun of ``r`` before position ``u``: the items to copy, in no order,
+    and {storage: bytes it now stays alive across t_star} of what they read that cannot run again;
+    None if the closure is too large or cannot be built. It stops at values alive at ``u`` anyway
+    (``wide``: only at those that stay alive across ``t_star`` anyway, so that a rerun from further
+    back also frees the values held across the peak on the way, as a per-block checkpoint does)."""
+    closure: Dict[_Item, None] = {}
+    stack, extended = [(m, False) for m in need], {}
+    while stack:
+        item, forced = stack.pop()
+        if item in closure:
+            continue
+        i = index[id(item)]
+        root = roots[i]
+        if not forced and root is not r and i < u and last[root] >= u and item not in inlined and \
+                not (wide and _freed_at(root, t_star, u, start, last, uses, used_here, size)):
+            continue  # alive at u anyway (an inlined op is not: it is computed inside each reader)
+        if item.src not in prog.rerunnable:
+            if forced:  # an output of an op that cannot run again
+                return None
+            extended[root] = size[root] if start[root] <= t_star and last[root] < t_star else 0
+            continue  # kept alive until u (a saved tensor, a parameter)
+        closure[item] = None
+        if len(closure) > max_closure:
+            return None
+        # a getitem of an op returning several tensors owns no storage of its own: its copy is
+        # a new tensor only if the op runs again (else it is the first copy's, made at the op)
+        own = _owns_outputs(item)
+        stack.extend((m, own) for m in item.ins.values())
+    if any(m not in closure for m in need):  # e.g. an inlined op that reads a tangent
+        return None
+    return closure, extended
+
+
+def _freed_at(root, t_star: int, u: int, start, last, uses, used_here, size) -> bool:
+    """Whether storage ``root`` is held across ``t_star`` and not read from then until ``u``."""
+    if not size.get(root) or root in used_here or not start[root] < t_star < last[root]:
+        return False
+    return not any(t_star <= i < u for i in uses.get(root, ()))
+
+
+def _owns_outputs(item: _Item) -> bool:
+    """A getitem of a (non-view) op returning several tensors: the tensors are that op's."""
+    src = item.src
+    if src.target is not operator.getitem:
+        return False
+    parent = src.args[0]
+    return not (isinstance(parent.target, torch._ops.OpOverload) and parent.target.is_view)
 
 
 def _reaches(m: _Item, r, roots, index, inlined, rewired) -> bool:
@@ -290,13 +337,16 @@ def _apply(items: List[_Item], plan) -> List[_Item]:
     copies: Dict[_Item, _Item] = {}
     for item in plan["closure"]:
         copies[item] = _Item(item.src, {m: copies.get(p, p) for m, p in item.ins.items()}, copy=True)
-    users, need = set(plan["users"]), plan["need"]
+    at = plan["at"]
     replaced: Dict[_Item, _Item] = {}
     out = []
     for i, item in enumerate(items):
-        if i == plan["at"]:
+        if i == at:
             out.extend(copies[c] for c in plan["closure"])
-        ins = {m: (copies[p] if item in users and p in need else replaced.get(p, p)) for m, p in item.ins.items()}
+        if i >= at:  # from here on, everything the copies remake is read from them
+            ins = {m: copies.get(p) or replaced.get(p, p) for m, p in item.ins.items()}
+        else:
+            ins = item.ins
         if any(ins[m] is not item.ins[m] for m in ins):
             new = _Item(item.src, ins, item.copy)
             replaced[item] = new
