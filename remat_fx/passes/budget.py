@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import operator
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -120,8 +121,35 @@ def solve(problem: Problem, target: Optional[int], group_targets: Dict[str, int]
                     time.perf_counter() - t0)
 
 
+_MINIMA: "OrderedDict[tuple, Tuple[int, Set[str]]]" = OrderedDict()  # fingerprint -> minimum's answer
+_MINIMA_KEPT = 32
+
+
+def _fingerprint(problem: Problem, group: Optional[str], time_limit: float) -> tuple:
+    """What the fewest-bytes answer depends on (not the recompute costs)."""
+    return (tuple(problem.order), tuple(problem.inputs[v] for v in problem.order), frozenset(problem.needed),
+            frozenset(problem.can_save), frozenset(problem.can_recompute), tuple(problem.base[v] for v in problem.order),
+            tuple(sorted(problem.storage_bytes.items())), group,
+            None if group is None else frozenset(problem.groups.get(group, ())), time_limit)
+
+
 def minimum(problem: Problem, group: Optional[str] = None, time_limit: float = 10.0) -> Tuple[int, Set[str]]:
-    """The fewest saved bytes of any valid plan (in ``group``'s storages, when given)."""
+    """The fewest saved bytes of any valid plan (in ``group``'s storages, when given). Remembered
+    for the same problem: one compile's peak searches solve a graph at several budgets, each of
+    which needs this same minimum."""
+    key = _fingerprint(problem, group, time_limit)
+    if key in _MINIMA:
+        _MINIMA.move_to_end(key)
+        nbytes, saved = _MINIMA[key]
+        return nbytes, set(saved)
+    nbytes, saved = _minimum(problem, group, time_limit)
+    _MINIMA[key] = (nbytes, frozenset(saved))
+    while len(_MINIMA) > _MINIMA_KEPT:
+        _MINIMA.popitem(last=False)
+    return nbytes, saved
+
+
+def _minimum(problem: Problem, group: Optional[str], time_limit: float) -> Tuple[int, Set[str]]:
     found = _milp(problem, None, {}, objective=("bytes", group), time_limit=time_limit)
     if found == _INFEASIBLE:
         found = None
