@@ -199,7 +199,7 @@ def test_dropout_gradients_identical_under_every_budget(name):
     model, inputs = MODELS[name](dropout=0.3)
     _, want, _, ref = _step(model, inputs, {"save": ["*"]})  # no recompute at all, same seed
     assert ref.recompute_flops == 0
-    for budget in (0.0, 0.25, 0.5, 0.75, 1.0):
+    for budget in (0.0, 0.4, 1.0):
         _, grads, held, plan = _step(model, inputs, {"memory_budget": budget})
         assert held <= plan.budget.target
         _close(grads, want)
