@@ -190,19 +190,19 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
     result.estimates = {f: peak for f, (peak, _) in curve.items()}
     fitting = [f for f, e in result.estimates.items() if e <= target]
     start = grid.index(fitting[0] if fitting else list(result.estimates)[-1])
-    best = None
+    fits = []  # the grid points that measured under the target (None, no budget, is one of them)
     if evaluate(grid[start]) <= target:
-        best = grid[start]
+        fits.append(grid[start])
         for f in reversed(grid[:start]):  # more saved, less recompute, while it still fits
             if evaluate(f) > target:
                 break
-            best = f
+            fits.append(f)
     else:
         for f in grid[start + 1:]:
             if evaluate(f) <= target:
-                best = f
+                fits.append(f)
                 break
-    if best is None:
+    if not fits:
         least = min(result.tried, key=result.tried.get)
         raise PeakInfeasible(
             f"remat_fx: remat.fit: no plan measured a step peak at or under {fmt_bytes(target)} ({target:,} bytes: "
@@ -210,6 +210,7 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
             f"the least measured is {fmt_bytes(result.tried[least])} ({result.tried[least]:,} bytes), with every "
             f"graph at memory_budget {'none' if least is None else f'{least:g}'}. Raise the limit to at least "
             f"{int(result.tried[least] / (1 - margin)):,} bytes, or shrink the step (batch, sequence length).")
+    best = fits[-1]
     if list(result.tried)[-1] != best:
         for g in graphs:
             g.relower(shared_options(g.options, best))

@@ -255,6 +255,10 @@ def test_fit_without_a_cache_writes_nothing(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())
     text = str(result)
     assert text.startswith("remat.fit: ") and "<- chosen" in text
+    # a limit the step meets without any budget: no budget is the answer (not "nothing fits")
+    roomy = remat.fit(step, peak=2 * free, cache=False)
+    assert roomy.fraction is None and roomy.measured <= 2 * free
+    assert all(g.plan.budget is None for g in STEP.finished())
 
 
 def test_a_graph_lowered_again_under_inductor_gives_eager_gradients():
