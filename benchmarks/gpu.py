@@ -1,0 +1,169 @@
+"""Whole-step peak and time of Hugging Face models (built from config) on a GPU: PyTorch's
+activation_memory_budget against remat's memory_budget, peak_budget fractions and remat.fit, with
+eager and per-layer checkpointing, in one run.
+
+    python benchmarks/gpu.py --model llama --layers 8 --hidden 2048 --batch 4 --seq 2048
+    python benchmarks/gpu.py --model gpt2 --layers 12 --hidden 768 --batch 8 --seq 1024
+    python benchmarks/gpu.py --device cpu --layers 2 --hidden 64 --batch 2 --seq 32 --steps 2   # smoke run
+
+Peak: max_memory_allocated over one step minus memory_allocated before it (CUDA; the profiler's
+memory timeline on CPU), remat_fx.measure.step_peak_bytes; gradients set to None before each step,
+so the peak counts them. Time: median of --steps synchronised steps. First step: the step that
+compiles (with remat.fit, the whole fit). bf16 autocast on CUDA. Writes benchmarks/out/gpu_<model>.md
+and .csv.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import remat_fx as remat  # noqa: E402
+from remat_fx.measure import step_peak_bytes  # noqa: E402
+from remat_fx.step import STEP  # noqa: E402
+
+
+def build(args):
+    import transformers
+
+    torch.manual_seed(0)
+    if args.model == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                                       num_hidden_layers=args.layers, num_attention_heads=max(args.hidden // 128, 1),
+                                       num_key_value_heads=max(args.hidden // 128, 1), vocab_size=args.vocab,
+                                       max_position_embeddings=args.seq, use_cache=False)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=max(args.hidden // 64, 1),
+                                      n_positions=args.seq, vocab_size=args.vocab, use_cache=False,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    model.to(args.device).train()
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device,
+                        generator=torch.Generator(device=args.device).manual_seed(0))
+    return model, ids
+
+
+def make_step(model, fn, ids, device):
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = fn(ids, labels=ids).loss
+        loss.backward()
+    return step
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_variant(label, args, compile_fn=None, checkpointing=False, budget=None, fit=None):
+    torch._dynamo.reset()
+    STEP.reset()
+    model, ids = build(args)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    fn = model if compile_fn is None else compile_fn(model)
+    step = make_step(model, fn, ids, args.device)
+    patch = {"enable_autograd_cache": False}
+    if budget is not None:
+        patch["activation_memory_budget"] = float(budget)
+    row = {"variant": label}
+    with torch._functorch.config.patch(**patch):
+        sync(args.device)
+        t0 = time.perf_counter()
+        if fit is not None:
+            try:
+                result = remat.fit(step, peak=fit, cache=False)
+            except remat.PeakInfeasible as e:  # the message names the least measured peak
+                print(f"{label:40s} {e}", flush=True)
+                return {"variant": label, "peak": 0, "ms": 0.0, "first_s": time.perf_counter() - t0,
+                        "fit": "infeasible: " + str(e).split(": ", 2)[-1].split(". Raise")[0]}
+            row["fit"] = f"budget {result.fraction}, {len(result.tried)} measured"
+        else:
+            step()
+        sync(args.device)
+        row["first_s"] = time.perf_counter() - t0
+        step()  # a step of several graphs is planned as a whole at the second step
+        row["peak"] = step_peak_bytes(step, args.device)
+        times = []
+        for _ in range(args.steps):
+            sync(args.device)
+            t = time.perf_counter()
+            step()
+            sync(args.device)
+            times.append(time.perf_counter() - t)
+    row["ms"] = statistics.median(times) * 1e3
+    report = remat.step_report()
+    if compile_fn is not None and report.calls:
+        row["estimate"] = report.peak.peak
+        row["graphs"] = f"{len(report.graphs)} / {len(report.calls)}"
+    print(f"{label:40s} peak {row['peak'] / 2**20:10.1f} MiB  {row['ms']:8.1f} ms  first {row['first_s']:.1f} s"
+          + (f"  est {row['estimate'] / 2**20:.1f} MiB" if "estimate" in row else "") + f"  {row.get('fit', '')}",
+          flush=True)
+    del model, fn, step
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama", choices=["llama", "gpt2"])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--budgets", default="1,0.5,0.3,0.2,0.1,0")
+    ap.add_argument("--peak-fractions", default="0.5,0")
+    ap.add_argument("--fit", default="0.6,0.4", help="remat.fit limits as fractions of eager's peak")
+    ap.add_argument("--lower", default="inductor", choices=["inductor", "eager"])
+    args = ap.parse_args()
+    args.device = torch.device(args.device)
+    floats = (lambda s: [float(v) for v in s.split(",") if v.strip()])
+    rows = [run_variant("eager", args), run_variant("eager, per-layer checkpointing", args, checkpointing=True)]
+    eager_peak = rows[0]["peak"]
+    for b in floats(args.budgets):
+        rows.append(run_variant(f"PyTorch budget {b:g}", args, lambda m: torch.compile(m), budget=b))
+    for b in floats(args.budgets):
+        rows.append(run_variant(f"remat memory_budget {b:g}", args, lambda m, b=b: torch.compile(
+            m, backend="remat", options={"memory_budget": b, "lower": args.lower})))
+    for f in floats(args.peak_fractions):
+        rows.append(run_variant(f"remat peak_budget {f:g}", args, lambda m, f=f: torch.compile(
+            m, backend="remat", options={"peak_budget": f, "lower": args.lower})))
+    for f in floats(args.fit):
+        limit = int(eager_peak * f)
+        rows.append(run_variant(f"remat.fit {limit / 2**20:.0f} MiB ({f:g} x eager)", args, lambda m: torch.compile(
+            m, backend="remat", options={"lower": args.lower}), fit=limit))
+    head = (f"{args.model}, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq}, "
+            f"{args.device.type}{' ' + torch.cuda.get_device_name() if args.device.type == 'cuda' else ''}, "
+            f"torch {torch.__version__}, {args.lower} lowering")
+    lines = [head, "", "| variant | peak MiB | step ms | first step s | whole-step estimate MiB | graphs / calls | fit |",
+             "|---|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        est = f"{r['estimate'] / 2**20:.1f}" if "estimate" in r else ""
+        lines.append(f"| {r['variant']} | {r['peak'] / 2**20:.1f} | {r['ms']:.1f} | {r['first_s']:.1f} | {est} | "
+                     f"{r.get('graphs', '')} | {r.get('fit', '')} |")
+    out = ROOT / "benchmarks" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"gpu_{args.model}.md").write_text("\n".join(lines) + "\n")
+    with open(out / f"gpu_{args.model}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+        writer.writeheader()
+        writer.writerows(rows)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
