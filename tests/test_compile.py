@@ -42,6 +42,27 @@ def test_backend_registered_by_entry_point():
     assert out.stdout.strip() == str([2 * torch.ones(1).cos().item()] * 3)
 
 
+MAX_POOL = """
+import torch
+m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(36, 2))
+x = torch.randn(2, 3, 8, 8)
+want = torch.autograd.grad(m(x).sum(), list(m.parameters()))
+f = torch.compile(m, backend="remat", fullgraph=True, options={"lower": "eager"})
+got = torch.autograd.grad(f(x).sum(), list(m.parameters()))
+for a, b in zip(got, want):
+    torch.testing.assert_close(a, b)
+print("ok")
+"""
+
+
+def test_max_pool2d_under_the_eager_lowering_in_a_fresh_process():
+    """Inductor's decomposition of max_pool2d reaches torch._inductor.lowering, which only Inductor's
+    lowering imported: a fresh process using the eager lowering failed with an AttributeError
+    (checked on torch 2.13.0)."""
+    out = subprocess.run([sys.executable, "-c", MAX_POOL], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("policy, fw_exp, bw_exp", [(P.SAVE, 1, 0), (P.RECOMPUTE, 1, 1)])
 def test_partition_follows_tags(policy, fw_exp, bw_exp):
     x = torch.randn(8, 16, requires_grad=True)

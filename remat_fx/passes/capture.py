@@ -22,6 +22,9 @@ from remat_fx.naming import META_KIND, META_NAME, META_POLICY
 
 def decompositions():
     """The decomposition table Inductor traces with, so both lowerings see the same graph."""
+    # some of the table's entries (max_pool2d's, torch 2.13/2.14) reach torch._inductor.lowering as
+    # an attribute, which only Inductor's own lowering imports: the eager lowering must import it
+    import torch._inductor.lowering  # noqa: F401
     from torch._inductor.decomposition import select_decomp_table
 
     return select_decomp_table()
