@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 import statistics
 import time
+import weakref
 from dataclasses import dataclass, fields
 from typing import Dict, Iterable, Optional
 
@@ -129,6 +130,9 @@ class CostModel:
         self.model, self.lower, self.device = model, lower, device
         self.roof = device_roofline(device, roofline)
         self._profiled: Dict[tuple, float] = {}
+        # a node's cost depends only on its op and its values' metadata, which never change: the
+        # reruns' and the schedule's searches ask for the same nodes hundreds of thousands of times
+        self._memo: "weakref.WeakKeyDictionary[fx.Node, float]" = weakref.WeakKeyDictionary()
 
     def describe(self) -> str:
         r = self.roof
@@ -138,6 +142,12 @@ class CostModel:
     def __call__(self, node: fx.Node) -> float:
         if node.op != "call_function" or node.target is operator.getitem:
             return 0.0
+        found = self._memo.get(node)
+        if found is None:
+            found = self._memo[node] = self._cost(node)
+        return found
+
+    def _cost(self, node: fx.Node) -> float:
         fused = self.lower == "inductor" and fusible(node) and self.model != "roofline"
         compute = flops(node) / self.roof.flops_per_s
         if self.model == "flops":

@@ -24,6 +24,7 @@ tangent are never rerun.
 """
 from __future__ import annotations
 
+import bisect
 import operator
 import time
 from dataclasses import dataclass, field
@@ -301,7 +302,7 @@ def _closure(prog: _Program, r, need, u: int, t_star: int, roots, index, start, 
         # a new tensor only if the op runs again (else it is the first copy's, made at the op)
         own = _owns_outputs(item)
         stack.extend((m, own) for m in item.ins.values())
-    if any(m not in closure for m in need):  # e.g. an inlined op that reads a tangent
+    if not need <= closure.keys():  # e.g. an inlined op that reads a tangent
         return None
     return closure, extended
 
@@ -310,7 +311,9 @@ def _freed_at(root, t_star: int, u: int, start, last, uses, used_here, size) -> 
     """Whether storage ``root`` is held across ``t_star`` and not read from then until ``u``."""
     if not size.get(root) or root in used_here or not start[root] < t_star < last[root]:
         return False
-    return not any(t_star <= i < u for i in uses.get(root, ()))
+    positions = uses.get(root, ())  # ascending (_Program.simulate appends them in order)
+    k = bisect.bisect_left(positions, t_star)
+    return k == len(positions) or positions[k] >= u
 
 
 def _owns_outputs(item: _Item) -> bool:
