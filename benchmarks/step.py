@@ -1,10 +1,12 @@
 """Whole-step benchmark: a training step of several compiled graphs (a graph break halfway
 through the blocks), measured as a whole (CPU).
 
-    python benchmarks/step.py [--lower eager|inductor] [--layers 8] [--d-model 128] [--seq 256] [--batch 16]
-                              [--limits 0.8,0.6,0.4] [--fractions 1,0.5,0] [--fit 0.6,0.4]
+    python benchmarks/step.py [--lower inductor|eager] [--layers 8] [--d-model 128] [--seq 256] [--batch 16]
+                              [--torch-budgets 1,0.3,0] [--limits 0.8,0.6,0.4] [--fractions 1,0.5,0] [--fit 0.6,0.4]
+                              [--threads N]
 
-Variants: eager; eager with torch.utils.checkpoint per block; remat without a budget; remat with a
+Variants: eager; eager with torch.utils.checkpoint per block; PyTorch's torch.compile (Inductor)
+with ``activation_memory_budget`` at --torch-budgets; remat without a budget; remat with a
 byte ``peak_budget`` at --limits (fractions of remat's unbudgeted measured peak); remat with a
 fraction ``peak_budget`` at --fractions; ``remat.fit`` (measured) at --fit limits. Peak: the
 profiler's memory timeline over one warmed-up step (remat_fx.measure.step_peak_bytes); estimate:
@@ -54,17 +56,26 @@ class Model(torch.nn.Module):
         return x.square().mean()
 
 
-def variant(args, options=None, checkpoint=False):
+def variant(args, options=None, checkpoint=False, torch_budget=None):
     torch._dynamo.reset()
     STEP.reset()
     torch.manual_seed(0)
     model = Model(args.d_model, args.layers, checkpoint)
     x = torch.randn(args.batch, args.seq, args.d_model, generator=torch.Generator().manual_seed(1))
-    run = model if options is None else torch.compile(model, backend="remat", options=options)
+    if torch_budget is not None:  # PyTorch's own budget: the default backend, Inductor
+        run = torch.compile(model)
+    else:
+        run = model if options is None else torch.compile(model, backend="remat", options=options)
 
     def step():
         model.zero_grad(set_to_none=True)
-        run(x).backward()
+        if torch_budget is None:
+            run(x).backward()
+            return
+        # compiles at the first call under the budget (no autograd cache: each budget compiles)
+        with torch._functorch.config.patch(activation_memory_budget=float(torch_budget),
+                                           enable_autograd_cache=False):
+            run(x).backward()
 
     return step
 
@@ -94,19 +105,26 @@ def measure(label, step, args, first_s=None, fit=None):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lower", default="eager", choices=["eager", "inductor"])
+    ap.add_argument("--lower", default="inductor", choices=["inductor", "eager"])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--torch-budgets", default="1,0.3,0")
     ap.add_argument("--limits", default="0.8,0.6,0.4")
     ap.add_argument("--fractions", default="1,0.5,0")
     ap.add_argument("--fit", default="0.6,0.4")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch.set_num_threads (0: PyTorch's default); 1 steadies timings on a shared machine")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     floats = (lambda s: [float(v) for v in s.split(",") if v.strip()])
     rows = [measure("eager, no checkpointing", variant(args), args),
             measure("eager, torch.utils.checkpoint per block", variant(args, checkpoint=True), args)]
+    for b in floats(args.torch_budgets):
+        rows.append(measure(f"PyTorch activation_memory_budget {b:g}", variant(args, torch_budget=b), args))
     free = measure("remat, no budget", variant(args, {"lower": args.lower}), args)
     rows.append(free)
     for f in floats(args.limits):
