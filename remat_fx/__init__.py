@@ -1,12 +1,14 @@
 """remat_fx: explicit, named activation rematerialization for PyTorch.
 
     import remat_fx as remat
-    y = remat.checkpoint()(block)(x)
+    y = remat.checkpoint()(block)(x)                          # eager runtime
+    compiled = remat.compile(model, memory_budget=0.3)        # compiler mode
 """
 from remat_fx import config
 from remat_fx.annotate import annotate
-from remat_fx.backend import backend
+from remat_fx.backend import backend, compile
 from remat_fx.measured_fit import FitResult, fit
+from remat_fx.options import OptionError
 from remat_fx.pareto import ParetoPoint, pareto
 from remat_fx.passes.peak import PeakInfeasible
 from remat_fx.passes.plan import BudgetReport, Plan, SavedActivation, last_plan
@@ -22,6 +24,7 @@ from remat_fx.step import StepReport, step_report
 __all__ = [
     "BudgetReport",
     "FitResult",
+    "OptionError",
     "PeakInfeasible",
     "StepReport",
     "fit",
@@ -31,6 +34,7 @@ __all__ = [
     "SavedActivation",
     "annotate",
     "backend",
+    "compile",
     "config",
     "pareto",
     "last_plan",

@@ -1,17 +1,57 @@
 """The ``remat`` torch.compile backend: capture -> tag -> partition -> lower, one pass a file.
 
     torch.compile(model, backend="remat", options={"save": ["*.qkv"], "lower": "eager"})
+    remat_fx.compile(model, save=["*.qkv"], lower="eager")   # the same, options checked here
 
 Registered under the ``torch_dynamo_backends`` entry point, so ``backend="remat"``
 works without importing remat_fx first.
 """
 from __future__ import annotations
 
-from remat_fx.options import parse_options
+import inspect
+
+import torch
+
+from remat_fx.options import OPTIONS, OptionError, parse_options, unknown_names, valid_options
 from remat_fx.step import compile_graph
 
 
 def backend(gm, example_inputs, options=None):
     """A torch.compile backend; ``options`` as in :func:`remat_fx.options.parse_options`. Each graph
     is planned as part of its training step (remat_fx/step.py)."""
-    return compile_graph(gm, example_inputs, parse_options(options))
+    try:
+        parsed = parse_options(options)
+    except OptionError as e:
+        # Dynamo re-raises it as it is (not as BackendCompilerFailed), its traceback cut to start here
+        e.first_useful_frame = inspect.currentframe()
+        raise
+    return compile_graph(gm, example_inputs, parsed)
+
+
+# torch.compile's own keywords that remat_fx.compile passes on; every other keyword is a remat option
+COMPILE_KWARGS = ("fullgraph", "dynamic", "disable")
+
+
+def compile(model=None, *, fullgraph: bool = False, dynamic=None, disable: bool = False, **options):
+    """``torch.compile(model, backend="remat", options=options, fullgraph=..., dynamic=..., disable=...)``,
+    with ``options`` checked here, where they are written, rather than at the first call:
+
+        compiled = remat_fx.compile(model, memory_budget=0.3, fullgraph=True)
+
+    ``fullgraph``, ``dynamic`` and ``disable`` are torch.compile's; every other keyword is a backend
+    option (docs/compiler.md). A bad one raises an OptionError (a ValueError) at once."""
+    for name, why in (("mode", "mode= picks Inductor's own settings, and torch.compile does not take it together "
+                               "with a backend's options; remat's lowering is the option lower='inductor' "
+                               "(the default) or lower='eager'"),
+                      ("backend", "the backend is 'remat'; for another one call torch.compile"),
+                      ("options", "pass the options as keywords: remat_fx.compile(model, memory_budget=0.3)")):
+        if name in options:
+            raise OptionError(f"remat_fx.compile: {why}")
+    unknown = sorted(k for k in options if k not in OPTIONS)
+    if unknown:
+        raise OptionError(f"remat_fx.compile: {unknown_names(unknown, (*OPTIONS, *COMPILE_KWARGS), 'keyword')}\n"
+                          f"torch.compile's keywords: {', '.join(COMPILE_KWARGS)}; the backend's options:\n"
+                          f"{valid_options()}")
+    parse_options(options, where="remat_fx.compile")
+    return torch.compile(model, backend="remat", options=dict(options), fullgraph=fullgraph, dynamic=dynamic,
+                         disable=disable)

@@ -4,10 +4,12 @@
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import torch
+from torch._dynamo.exc import ShortenTraceback
 
 from remat_fx import config
 from remat_fx.memory_budget import Budget, parse_budget
@@ -69,64 +71,159 @@ class BackendOptions:
                 self.cost_model, self.roofline, self.solver, self.solver_time_limit)
 
 
-def _valid() -> str:
+class OptionError(ShortenTraceback, ValueError):
+    """A bad ``remat`` option or ``remat_fx.config`` setting. A ValueError; also one of Dynamo's
+    ShortenTraceback errors, which Dynamo re-raises as they are: under a plain
+    ``torch.compile(..., backend="remat")`` the user reads this message first, not Dynamo's
+    ``BackendCompilerFailed`` wrapper around it."""
+
+    def __init__(self, message: str):
+        ShortenTraceback.__init__(self, message, first_useful_frame=None)
+
+
+OPTIONS = tuple(_DOC)
+
+
+def valid_options() -> str:
+    """One line per option: its name and what it takes."""
     return "\n".join(f"  {k}: {v}" for k, v in _DOC.items())
 
 
-def parse_options(options) -> BackendOptions:
-    """Check ``options`` and return them typed; a ValueError lists the valid ones."""
+def did_you_mean(name, valid) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``valid`` to ``name``, else an empty string."""
+    close = difflib.get_close_matches(name, list(valid), n=1) if isinstance(name, str) else []
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_names(names, valid, what: str) -> str:
+    """``unknown option 'memory_budgt': did you mean 'memory_budget'?`` for one name, a list for several."""
+    if len(names) == 1:
+        hint = did_you_mean(names[0], valid)
+        return f"unknown {what} {names[0]!r}" + (f": {hint[2:-1]}" if hint else "")
+    return f"unknown {what}s " + ", ".join(f"{n!r}{did_you_mean(n, valid)}" for n in names)
+
+
+# -- one check per option: the value as used, or an OptionError naming the option, the value and
+# what is accepted. parse_options and remat_fx.config (on assignment) share them.
+
+def _bool(value, what):
+    if not isinstance(value, bool):
+        raise OptionError(f"{what} must be True or False, got {value!r}")
+    return value
+
+
+def _one_of(choices):
+    def check(value, what):
+        if value not in choices:
+            raise OptionError(f"{what} must be one of {list(choices)}, got {value!r}{did_you_mean(value, choices)}")
+        return value
+    return check
+
+
+def _budget(value, what):
+    try:
+        return parse_budget(value, what)
+    except ValueError as e:
+        raise OptionError(str(e)) from None
+
+
+def _rerun(value, what):
+    if value not in ("auto", True, False) or (value == 1 and not isinstance(value, bool)):
+        raise OptionError(f"{what} must be 'auto', True or False, got {value!r}")
+    return value
+
+
+def _peak_slack(value, what):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise OptionError(f"{what} must be a fraction of step time in [0, 1), e.g. 0.01 (1%), got {value!r}")
+    return float(value)
+
+
+def _peak_budget(value, what):
+    if value == "auto":
+        if not torch.cuda.is_available():
+            raise OptionError(f"{what}='auto' reads the free memory of the CUDA device, and no CUDA device is "
+                              f"available; give a size (peak_budget='2GiB') or a fraction (0.5)")
+        return value
+    try:
+        return parse_budget(value, what)
+    except ValueError as e:
+        raise OptionError(f"{e}; or 'auto' (CUDA: the device's free memory)") from None
+
+
+def _roofline(value, what):
+    try:
+        return parse_roofline(value)
+    except ValueError as e:  # its message names the option already
+        raise OptionError(str(e).replace("backend 'remat': ", "")) from None
+
+
+def _time_limit(value, what):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise OptionError(f"{what} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _globs(value, what):
+    try:
+        return NameGlobs(save=value).save  # the same checks for either kind
+    except ValueError as e:
+        raise OptionError(str(e).replace("option 'save'", what)) from None
+
+
+_CHECKS = {
+    "save": _globs, "recompute": _globs, "lower": _one_of(LOWERINGS), "report": _bool,
+    "schedule": _bool, "rerun": _rerun, "peak_slack": _peak_slack, "memory_budget": _budget,
+    "peak_budget": _peak_budget, "cost_model": _one_of(COST_MODELS), "roofline": _roofline,
+    "solver": _one_of(SOLVERS), "solver_time_limit": _time_limit,
+}
+# the remat_fx.config settings: the defaults of these options
+CONFIG = ("memory_budget", "cost_model", "solver", "solver_time_limit")
+
+
+def check_option(name: str, value, what: Optional[str] = None):
+    """``value`` checked as option ``name`` (and normalised), or an OptionError."""
+    return _CHECKS[name](value, what or f"option {name!r}")
+
+
+def check_config(name: str, value) -> None:
+    """What ``remat_fx.config.<name> = value`` checks, at once: a setting that exists, a valid value."""
+    if name not in CONFIG:
+        raise AttributeError(f"remat_fx.config has no setting {name!r}{did_you_mean(name, CONFIG)}; its settings "
+                             f"(the defaults of the backend options of the same names) are {', '.join(CONFIG)}")
+    check_option(name, value, f"remat_fx.config.{name}")
+
+
+def parse_options(options, where: str = "backend 'remat'") -> BackendOptions:
+    """Check ``options`` and return them typed; an OptionError (a ValueError) names the option at
+    fault and what it takes, and an unknown option the nearest valid one and the list."""
     if options is None:
         options = {}
     if not isinstance(options, dict):
-        raise ValueError(f"backend 'remat': options must be a dict, got {type(options).__name__}. "
-                         f"Valid options:\n{_valid()}")
-    unknown = sorted(set(options) - set(_DOC))
+        raise OptionError(f"{where}: options must be a dict, got {type(options).__name__}\n"
+                          f"Valid options:\n{valid_options()}")
+    unknown = sorted((k for k in options if k not in _DOC), key=str)
     if unknown:
-        raise ValueError(f"backend 'remat': unknown option(s) {unknown}. Valid options:\n{_valid()}")
-    lower = options.get("lower", "inductor")
-    if lower not in LOWERINGS:
-        raise ValueError(f"backend 'remat': option 'lower' must be one of {list(LOWERINGS)}, got {lower!r}")
-    report = options.get("report", False)
-    if not isinstance(report, bool):
-        raise ValueError(f"backend 'remat': option 'report' must be True or False, got {report!r}")
-    schedule = options.get("schedule", True)
-    if not isinstance(schedule, bool):
-        raise ValueError(f"backend 'remat': option 'schedule' must be True or False, got {schedule!r}")
-    rerun = options.get("rerun", "auto")
-    if rerun not in ("auto", True, False) or (rerun == 1 and not isinstance(rerun, bool)):
-        raise ValueError(f"backend 'remat': option 'rerun' must be 'auto', True or False, got {rerun!r}")
-    slack = options.get("peak_slack", BackendOptions.peak_slack)
-    if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 <= slack < 1:
-        raise ValueError(f"backend 'remat': option 'peak_slack' must be a fraction of step time in [0, 1), e.g. "
-                         f"0.01 (1%), got {slack!r}")
-    try:
-        budget = parse_budget(options.get("memory_budget", config.memory_budget), "option 'memory_budget'")
-    except ValueError as e:
-        raise ValueError(f"backend 'remat': {e}") from None
-    peak = options.get("peak_budget")
-    if peak == "auto" and not torch.cuda.is_available():
-        raise ValueError("backend 'remat': option 'peak_budget'='auto' reads the free memory of the CUDA device, and "
-                         "no CUDA device is available; give a size (peak_budget='2GiB') or a fraction (0.5)")
-    if peak != "auto":
+        raise OptionError(f"{where}: {unknown_names(unknown, _DOC, 'option')}\nValid options:\n{valid_options()}")
+    given = {name: options.get(name, config_default) for name, config_default in
+             (("memory_budget", config.memory_budget), ("cost_model", config.cost_model),
+              ("solver", config.solver), ("solver_time_limit", config.solver_time_limit))}
+    given.update(options)
+    checked = {}
+    for name, value in given.items():
         try:
-            peak = parse_budget(peak, "option 'peak_budget'")
-        except ValueError as e:
-            raise ValueError(f"backend 'remat': {e}; or 'auto' (CUDA: the device's free memory)") from None
-    cost_model = options.get("cost_model", config.cost_model)
-    if cost_model not in COST_MODELS:
-        raise ValueError(f"backend 'remat': option 'cost_model' must be one of {list(COST_MODELS)}, got {cost_model!r}")
-    roofline = parse_roofline(options.get("roofline"))
-    solver = options.get("solver", config.solver)
-    if solver not in SOLVERS:
-        raise ValueError(f"backend 'remat': option 'solver' must be one of {list(SOLVERS)}, got {solver!r}")
-    limit = options.get("solver_time_limit", config.solver_time_limit)
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
-        raise ValueError(f"backend 'remat': option 'solver_time_limit' must be a positive number of seconds, "
-                         f"got {limit!r}")
-    globs = NameGlobs(save=options.get("save"), recompute=options.get("recompute"))
-    return BackendOptions(save=globs.save, recompute=globs.recompute, lower=lower, report=report,
-                          schedule=schedule, rerun=rerun, peak_slack=float(slack), memory_budget=budget,
-                          peak_budget=None if peak is None or peak == "auto" else peak.nbytes,
-                          peak_fraction=None if peak is None or peak == "auto" else peak.fraction, step_peak=peak,
-                          cost_model=cost_model, roofline=roofline, solver=solver,
-                          solver_time_limit=float(limit), globs=globs)
+            checked[name] = check_option(name, value)
+        except OptionError as e:
+            raise OptionError(f"{where}: {e}") from None
+    peak = checked.get("peak_budget")
+    budget = None if peak is None or peak == "auto" else peak
+    return BackendOptions(save=checked.get("save", ()), recompute=checked.get("recompute", ()),
+                          lower=checked.get("lower", "inductor"), report=checked.get("report", False),
+                          schedule=checked.get("schedule", True), rerun=checked.get("rerun", "auto"),
+                          peak_slack=checked.get("peak_slack", BackendOptions.peak_slack),
+                          memory_budget=checked["memory_budget"],
+                          peak_budget=None if budget is None else budget.nbytes,
+                          peak_fraction=None if budget is None else budget.fraction, step_peak=peak,
+                          cost_model=checked["cost_model"], roofline=checked.get("roofline"),
+                          solver=checked["solver"], solver_time_limit=checked["solver_time_limit"],
+                          globs=NameGlobs(save=checked.get("save", ()), recompute=checked.get("recompute", ())))

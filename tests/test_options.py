@@ -1,0 +1,82 @@
+"""Options are checked where the user states them: remat.compile(...) and remat.config.<name> = ...
+raise at once, unknown names suggest the nearest valid one, and the plain torch.compile path shows
+remat's message first (not Dynamo's BackendCompilerFailed wrapper)."""
+import pytest
+import torch
+
+import remat_fx as remat
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+
+
+def test_compile_rejects_a_bad_option_where_it_is_written():
+    model = _model()
+    with pytest.raises(remat.OptionError, match=r"^remat_fx.compile: option 'memory_budget' takes a fraction in "
+                                                r"\[0, 1\] .*; got 'abc' \(units: b, kb"):
+        remat.compile(model, memory_budget="abc")  # no forward run: raised by the call itself
+    with pytest.raises(ValueError, match=r"^remat_fx.compile: option 'solver' must be one of \['ilp', 'greedy'\], "
+                                         r"got 'ilq' \(did you mean 'ilp'\?\)$"):
+        remat.compile(model, solver="ilq")
+
+
+def test_compile_suggests_the_nearest_option_or_torch_compile_keyword():
+    model = _model()
+    with pytest.raises(remat.OptionError, match=r"^remat_fx.compile: unknown keyword 'memory_budgt': did you mean "
+                                                r"'memory_budget'\?\ntorch.compile's keywords: fullgraph, dynamic, "
+                                                r"disable; the backend's options:\n  save: "):
+        remat.compile(model, memory_budgt=0.3)
+    with pytest.raises(remat.OptionError, match=r"unknown keyword 'full_graph': did you mean 'fullgraph'\?"):
+        remat.compile(model, full_graph=True)
+    with pytest.raises(remat.OptionError, match=r"^remat_fx.compile: mode= picks Inductor's own settings, .* "
+                                                r"lower='inductor' \(the default\) or lower='eager'$"):
+        remat.compile(model, mode="max-autotune")
+    with pytest.raises(remat.OptionError, match=r"pass the options as keywords: remat_fx.compile\(model, "
+                                                r"memory_budget=0.3\)"):
+        remat.compile(model, options={"memory_budget": 0.3})
+
+
+def test_compile_splits_torch_compile_keywords_from_remat_options():
+    model = _model()
+    x = torch.randn(4, 8)
+    model(x).square().sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    compiled = remat.compile(model, save=["0.addmm"], lower="eager", fullgraph=True)
+    compiled(x).square().sum().backward()
+    assert {s.name: s.reason for s in remat.last_plan().saved}["0.addmm"] == "backend option save glob"
+    for a, b in zip((p.grad for p in model.parameters()), want):
+        torch.testing.assert_close(a, b)
+
+
+def test_plain_torch_compile_shows_remats_message_first():
+    f = torch.compile(lambda x: x.sin(), backend="remat", options={"memory_budgt": 0.3})
+    with pytest.raises(remat.OptionError) as info:
+        f(torch.ones(2, requires_grad=True))
+    assert str(info.value).startswith("backend 'remat': unknown option 'memory_budgt': did you mean "
+                                      "'memory_budget'?\nValid options:\n  save: ")
+    assert "BackendCompilerFailed" not in str(info.value)
+
+
+def test_config_checks_each_assignment():
+    old = remat.config.memory_budget
+    with pytest.raises(remat.OptionError, match=r"^remat_fx.config.memory_budget takes a fraction in \[0, 1\] .*; "
+                                                r"got 'abc'"):
+        remat.config.memory_budget = "abc"
+    assert remat.config.memory_budget == old  # the bad value was not kept
+    with pytest.raises(AttributeError, match=r"^remat_fx.config has no setting 'memory_budgt' \(did you mean "
+                                             r"'memory_budget'\?\); its settings .* are memory_budget, cost_model, "
+                                             r"solver, solver_time_limit$"):
+        remat.config.memory_budgt = 0.3
+    assert not hasattr(remat.config, "memory_budgt")
+    with pytest.raises(ValueError, match=r"^remat_fx.config.solver_time_limit must be a positive number of "
+                                         r"seconds, got 0$"):
+        remat.config.solver_time_limit = 0
+    try:
+        remat.config.memory_budget = "2GiB"
+        assert remat.config.memory_budget == "2GiB"
+    finally:
+        remat.config.memory_budget = old
