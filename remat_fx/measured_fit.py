@@ -8,8 +8,9 @@ The estimate (remat_fx/step.py) is off by what the lowering fuses and what the a
 this runs the real step instead. It runs ``step`` once (compiling every graph of the step), then
 plans all the step's graphs with one shared memory budget, starting from the largest on the grid
 whose whole-step *estimate* fits the limit: each candidate is lowered again, run, and its peak
-measured (CUDA: the allocator's statistics; CPU: the profiler's memory timeline); larger budgets
-(less recompute) are tried while the measured peak fits, smaller ones until it does. The largest
+measured (CUDA: the allocator's statistics; CPU: the profiler's memory timeline). If it fits, the
+largest budget above it (less recompute) that still fits is found by bisection on the grid (a few
+measurements for the 14 points); if not, smaller budgets are tried until one does. The largest
 budget whose measured peak fits is kept, with its plans in place. If none fits, a
 :class:`~remat_fx.passes.peak.PeakInfeasible` error names the least measured peak.
 
@@ -192,11 +193,16 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
     start = grid.index(fitting[0] if fitting else list(result.estimates)[-1])
     fits = []  # the grid points that measured under the target (None, no budget, is one of them)
     if evaluate(grid[start]) <= target:
-        fits.append(grid[start])
-        for f in reversed(grid[:start]):  # more saved, less recompute, while it still fits
-            if evaluate(f) > target:
-                break
-            fits.append(f)
+        # more saved, less recompute: the largest budget above that still fits, by bisection on the
+        # grid (the measured peak falls with the budget: the plans are monotone by construction)
+        lo, hi = 0, start  # grid[hi] fits; grid[:lo] measured over the target
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if evaluate(grid[mid]) <= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        fits.append(grid[hi])
     else:
         for f in grid[start + 1:]:
             if evaluate(f) <= target:
