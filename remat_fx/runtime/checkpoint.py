@@ -13,12 +13,13 @@ import weakref
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from remat_fx.naming import META_REGION, META_REGION_GLOBS, NameGlobs, callable_name, tracing_annotation
 from remat_fx.policy import CheckpointPolicy
 from remat_fx.runtime.handle import RematHandle
 from remat_fx.runtime.offload import resolve_offloader
+from remat_fx.runtime.torch_compat import (fire_recompute_trigger, inside_compiled_frame, new_recompute_trigger,
+                                           tree_flatten, tree_leaves, tree_unflatten)
 from remat_fx.runtime.tape import _ACTIVE, FORWARD, Tape, active_tape
 
 _OPTIONS = {
@@ -93,7 +94,7 @@ class Checkpointed:
                 out = torch_checkpoint.checkpoint(_TracedBody(self), kwargs, *args, use_reentrant=False,
                                                   **options)
             return check_output(out, self.name)
-        if _inside_compiled_frame():
+        if inside_compiled_frame():
             _warn_fallback(self)  # Dynamo gave up on this call and runs it eagerly
         if not torch.is_grad_enabled():
             return check_output(self.fn(*args, **kwargs), self.name)
@@ -154,11 +155,6 @@ class _TracedBody:
 _WARNED = set()
 
 
-def _inside_compiled_frame() -> bool:
-    """True while a torch.compile'd function runs code Dynamo could not trace (its eager fallback)."""
-    return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
-
-
 def _warn_fallback(region: "Checkpointed") -> None:
     key = (region.name, getattr(region.fn, "__code__", None) or type(region.fn))
     if key in _WARNED:
@@ -187,9 +183,9 @@ class _RegionBody:
         phase = tape.begin_pass()
         # Saved first: unpacking it makes PyTorch recompute the region, which then stops (early
         # stop) after the last tensor the region saves, so trailing ops that save nothing never rerun.
-        node = _RecomputeTrigger.apply(torch.empty(0, requires_grad=True)).grad_fn
+        trigger = new_recompute_trigger()
         if phase == FORWARD:
-            tape.trigger = node
+            tape.trigger = trigger
         token = _ACTIVE.set(tape)
         try:
             out = self.fn(*args, **kwargs)
@@ -198,17 +194,6 @@ class _RegionBody:
         finally:
             _ACTIVE.reset(token)
         return out
-
-
-class _RecomputeTrigger(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, dummy):
-        ctx.save_for_backward(dummy)
-        return dummy.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, grad):  # never on a backward path: only its saved tensor is unpacked
-        return grad
 
 
 class _StartRecompute:
@@ -223,7 +208,7 @@ class _StartRecompute:
         if self.trigger is None:
             return
         self.tape.prefetch()
-        self.trigger.saved_tensors  # noqa: B018 - the unpack runs PyTorch's recompute now
+        fire_recompute_trigger(self.trigger)  # PyTorch's checkpoint recomputes the region now
         if not self.tape.keep_graph:
             # the trigger's saved tensor pins PyTorch's checkpoint frame and so the region's
             # inputs: let them go with the rest of the graph's buffers

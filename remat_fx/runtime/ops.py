@@ -12,18 +12,18 @@ producer is skipped in recompute, so the op's own backward has real tensors.
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
 from contextvars import ContextVar
 from typing import Optional
 
 import torch
 from torch.utils import checkpoint as torch_checkpoint
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat_fx.naming import callable_name, check_name, op_annotation
 from remat_fx.policy import CheckpointPolicy, coerce_policy
+from remat_fx.runtime import torch_compat as compat
 from remat_fx.runtime.handle import RematHandle
 from remat_fx.runtime.tape import FORWARD, TensorMeta, active_tape, rng_restore
+from remat_fx.runtime.torch_compat import tree_flatten, tree_unflatten
 
 
 class _Pending:
@@ -171,11 +171,10 @@ class SacScope:
         if handle.policy is CheckpointPolicy.RECOMPUTE:
             return self
         if tape.phase == FORWARD:
-            self.storage = defaultdict(dict)
-            self.mode = torch_checkpoint._CachingTorchDispatchMode(_must_save, self.storage)
+            self.mode, self.storage = compat.sac_forward_mode(_must_save)
         else:
             # cache hits on in-place ops (dropout's bernoulli_) bump versions: checked in load() instead
-            self.mode = torch_checkpoint._CachedTorchDispatchMode(None, handle.record.sac.load(tape, handle.name), True)
+            self.mode = compat.sac_replay_mode(_must_save, handle.record.sac.load(tape, handle.name))
         self.mode.__enter__()
         return self
 
@@ -194,37 +193,28 @@ class SacScope:
 
 
 class SacCache:
-    """The outputs PyTorch's SAC caching mode stored for one native SAVE/OFFLOAD call."""
+    """The outputs PyTorch's SAC caching mode stored for one native SAVE/OFFLOAD call (its storage
+    layout is torch's and version-dependent: only torch_compat reads or copies it)."""
 
     __slots__ = ("entries", "offloader", "released", "_version_of")
 
     def __init__(self, storage, offloader):
-        # storage: {func: {call index: pytree of _VersionWrapper}}
-        self.entries = storage
         self.offloader = offloader
         self.released = False
         # the op may mutate its own intermediates (dropout's bernoulli_): what must not
         # change is each cached tensor from the end of the op to its recompute
-        self._version_of = {label: val._version for label, val in self.tensors()
+        self._version_of = {label: compat.tensor_version(val) for label, val in compat.sac_cached(storage)
                             if isinstance(val, torch.Tensor)}
-        if offloader is not None:
-            for calls in storage.values():
-                for idx, wrapped in calls.items():
-                    calls[idx] = torch.utils._pytree.tree_map(self._pack, wrapped)
+        self.entries = compat.sac_map(storage, self._pack) if offloader is not None else storage
 
-    def _pack(self, w):
-        if isinstance(w, torch_checkpoint._VersionWrapper) and isinstance(w.val, torch.Tensor):
-            w.val = _OffloadedValue(self.offloader, w.val)
-        return w
+    def _pack(self, val):
+        return _OffloadedValue(self.offloader, val) if isinstance(val, torch.Tensor) else val
 
     def tensors(self):
         """(label, tensor-or-offloaded) pairs, for reports."""
-        for func, calls in self.entries.items():
-            for idx, wrapped in calls.items():
-                for k, w in enumerate(torch.utils._pytree.tree_leaves(wrapped)):
-                    val = getattr(w, "val", None)
-                    if val is not None:
-                        yield f"{func}#{idx}.{k}", val
+        if self.released:
+            return iter(())
+        return compat.sac_cached(self.entries)
 
     def prefetch(self):
         pre = getattr(self.offloader, "prefetch", None)
@@ -234,11 +224,6 @@ class SacCache:
             if isinstance(val, _OffloadedValue):
                 pre(val.packed)
 
-    def _versions(self):
-        for label, val in self.tensors():
-            if isinstance(val, torch.Tensor):
-                yield label, val, self._version_of[label]
-
     def load(self, tape, name):
         if self.released:
             raise RuntimeError(
@@ -246,23 +231,20 @@ class SacCache:
                 "released by an earlier backward. Pass retain_graph=True to the first backward."
             )
 
-        for label, val, version in self._versions():
-            if val._version != version:
-                raise RuntimeError(
-                    f"remat_fx: output {label} of native op '{name}' in region '{tape.name}' was modified in "
-                    f"place after the op ran (version {version} -> {val._version}); its gradient would be "
-                    "wrong. Clone it before modifying it, or make the op RECOMPUTE."
-                )
+        for label, val in self.tensors():
+            if isinstance(val, torch.Tensor):
+                version, was = compat.tensor_version(val), self._version_of[label]
+                if version != was:
+                    raise RuntimeError(
+                        f"remat_fx: output {label} of native op '{name}' in region '{tape.name}' was modified in "
+                        f"place after the op ran (version {was} -> {version}); its gradient would be "
+                        "wrong. Clone it before modifying it, or make the op RECOMPUTE."
+                    )
 
-        def fresh(w):  # offloaded values come back as new tensors
-            if isinstance(w, torch_checkpoint._VersionWrapper) and isinstance(w.val, _OffloadedValue):
-                return torch_checkpoint._VersionWrapper(w.val.unpack())
-            return w
-
-        storage = {f: {i: torch.utils._pytree.tree_map(fresh, wr) for i, wr in calls.items()}
-                   for f, calls in self.entries.items()}
+        # a fresh copy per recompute: the replay consumes it, and offloaded values come back as new tensors
+        storage = compat.sac_map(self.entries, lambda v: v.unpack() if isinstance(v, _OffloadedValue) else v)
         if not tape.keep_graph:
-            self.entries = {}
+            self.entries = None
             self.released = True
         return storage
 

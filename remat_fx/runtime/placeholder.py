@@ -8,7 +8,8 @@ data raises an error that names the op at fault and the ways to fix it.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_map
+
+from remat_fx.runtime.torch_compat import make_wrapper_subclass, tree_leaves, tree_map
 
 _META_QUERIES = {
     torch.ops.aten.detach.default,
@@ -48,10 +49,7 @@ class Placeholder(torch.Tensor):
 
     @staticmethod
     def __new__(cls, size, stride, storage_offset, dtype, device, producer: str):
-        t = torch.Tensor._make_wrapper_subclass(
-            cls, size, strides=stride, storage_offset=storage_offset, dtype=dtype, device=device,
-            requires_grad=False,
-        )
+        t = make_wrapper_subclass(cls, size, stride, storage_offset, dtype, device)
         t.producer = producer
         return t
 
@@ -70,7 +68,7 @@ class Placeholder(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        holders = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, Placeholder)]
+        holders = [a for a in tree_leaves((args, kwargs)) if isinstance(a, Placeholder)]
         producer = holders[0].producer
         if func in _META_QUERIES or func.is_view:
             as_meta = tree_map(lambda a: a._as_meta() if isinstance(a, Placeholder) else a, (args, kwargs))

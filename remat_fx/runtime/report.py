@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from remat_fx.runtime.checkpoint import TAPE_KEY
 from remat_fx.runtime.tape import Tape, TensorMeta
 from remat_fx.runtime.tape import is_param as tape_is_param
+from remat_fx.runtime.torch_compat import tree_leaves
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,10 @@ from contextvars import ContextVar
 from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat_fx.naming import NameGlobs
 from remat_fx.policy import CheckpointPolicy, resolve_policy
+from remat_fx.runtime import torch_compat as compat
 
 FORWARD = "forward"
 RECOMPUTE = "recompute"
@@ -60,7 +59,7 @@ class Slot:
         self.name = name
         self.source = source  # "<producer>.<out>" when the tensor is a skipped op's output
         self.meta = TensorMeta.of(tensor)
-        self.version = tensor._version
+        self.version = compat.tensor_version(tensor)
         self.is_param = is_param(tensor)
         self.offloader = offloader if not self.is_param else None
         # detached: same storage and version counter, but no grad_fn, so the tape (which the
@@ -85,10 +84,11 @@ class Slot:
             )
         t = self.offloader.unpack(self.value) if self.offloader is not None else self.value
         if self.aliased or self.offloader is None:
-            if t._version != self.version:
+            version = compat.tensor_version(t)
+            if version != self.version:
                 raise RuntimeError(
                     f"remat_fx: tensor '{self.name}' saved by op '{op_name}' in region '{tape.name}' was "
-                    f"modified in place after it was saved (version {self.version} -> {t._version}); its "
+                    f"modified in place after it was saved (version {self.version} -> {version}); its "
                     "gradient would be wrong. Clone it before modifying it, or make the op RECOMPUTE."
                 )
         if not tape.keep_graph:
@@ -134,21 +134,6 @@ class Record:
             yield "input", s
 
 
-def checkpoint_holders() -> Optional[list]:
-    """The list of saved-tensor holders of the innermost PyTorch checkpoint frame (its length is
-    how many tensors the region saved so far), or None when that cannot be read (no frame, or
-    PyTorch's hooks changed shape: then trailing ops simply keep their inputs)."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    pack = hooks[0] if hooks else None
-    cells = getattr(pack, "__closure__", None) or ()
-    names = getattr(getattr(pack, "__code__", None), "co_freevars", ())
-    for name, cell in zip(names, cells):
-        if name == "frame":
-            holders = getattr(cell.cell_contents, "weak_holders", None)
-            return holders if isinstance(holders, list) else None
-    return None
-
-
 def rng_snapshot():
     state = [torch.get_rng_state()]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -168,7 +153,8 @@ def rng_changed(before, after) -> bool:
 
 def is_param(t: torch.Tensor) -> bool:
     """Parameters (frozen ones too) and leaves that require grad: the user holds them anyway."""
-    base = t._base if t._base is not None else t
+    base = compat.view_base(t)
+    base = t if base is None else base
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
@@ -179,7 +165,7 @@ class Tape:
         self.name = name
         self.preserve_rng = preserve_rng
         # storages of skipped (SAVE/OFFLOAD) ops' outputs in forward, for consumers that reach them
-        # through an alias without the tag (detach(), .data): StorageWeakRef key -> tag
+        # through an alias without the tag (detach(), .data): storage key -> (expired, tag)
         self.skipped: Dict[Any, tuple] = {}
         self.globs = globs
         self.offloader = offloader
@@ -193,7 +179,7 @@ class Tape:
         self.auto_names = 0
         self.inputs: list = []  # weakrefs to the region's tensor inputs (held by the checkpoint frame)
         self.trigger = None
-        self.holders = None  # the checkpoint frame's holder list, during the forward pass only
+        self.frame = None  # PyTorch's checkpoint frame (compat view), during the forward pass only
 
     # -- passes ---------------------------------------------------------------
     def begin_pass(self) -> str:
@@ -201,10 +187,9 @@ class Tape:
         self.passes += 1
         self.cursor = 0
         self.auto_names = 0
-        self.holders = checkpoint_holders() if self.phase == FORWARD else None
+        self.frame = compat.current_checkpoint_frame() if self.phase == FORWARD else None
         if self.phase == RECOMPUTE:
-            outside_backward = torch._C._current_graph_task_id() == -1
-            self.keep_graph = outside_backward or torch._C._autograd._get_current_graph_task_keep_graph()
+            self.keep_graph = compat.backward_keeps_graph()
         return self.phase
 
     def end_pass(self) -> None:
@@ -224,10 +209,10 @@ class Tape:
         backward (early stop). Ops that began after that point never rerun, so what the tape
         keeps for them (inputs of RECOMPUTE ops, caches of native SAVE ops) is released now,
         before it is held until backward for nothing."""
-        holders, self.holders = self.holders, None
-        final = len(holders) if holders is not None else None
-        if final is None or torch_checkpoint._enable_checkpoint_early_stop is False:
+        frame, self.frame = self.frame, None
+        if frame is None or not frame.early_stop:
             return
+        final = frame.saved_count()
         for rec in reversed(self.records):
             if rec.packs_before is None or rec.packs_before < final:
                 break
@@ -245,7 +230,7 @@ class Tape:
                     "(e.g. include the layer index)."
                 )
             rec = Record(name, policy, kind)
-            rec.packs_before = len(self.holders) if self.holders is not None else None
+            rec.packs_before = self.frame.saved_count() if self.frame is not None else None
             self.records.append(rec)
             self.by_name[name] = rec
             return rec
@@ -302,19 +287,21 @@ _TAG = "_remat_fx_skipped"
 def tag_skipped_output(t: torch.Tensor, tape: Tape, rec: Record, out_name: str) -> None:
     tag = (weakref.ref(tape), rec.name, out_name, rec.policy)
     setattr(t, _TAG, tag)
-    ref = StorageWeakRef(t.untyped_storage())
-    tape.skipped[ref.cdata] = (ref, tag)
+    key, expired = compat.storage_ref(t)
+    tape.skipped[key] = (expired, tag)
 
 
 def skipped_producer(t: torch.Tensor, tape: Tape):
     """(producer name, out name, policy) if ``t`` is a skipped op's output in ``tape``, or a view
     or alias of one (the tag on the tensor is the fast path; storage identity catches detach())."""
     tag = getattr(t, _TAG, None)
-    if tag is None and t._base is not None:
-        tag = getattr(t._base, _TAG, None)
+    if tag is None:
+        base = compat.view_base(t)
+        if base is not None:
+            tag = getattr(base, _TAG, None)
     if tag is None and tape.skipped:
-        found = tape.skipped.get(StorageWeakRef(t.untyped_storage()).cdata)
-        if found is not None and not found[0].expired():
+        found = tape.skipped.get(compat.storage_ref(t)[0])
+        if found is not None and not found[0]():
             tag = found[1]
     if tag is None or tag[0]() is not tape:
         return None
