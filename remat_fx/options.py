@@ -20,8 +20,9 @@ LOWERINGS = ("inductor", "eager")
 SOLVERS = ("ilp", "greedy")
 
 _DOC = {
-    "save": "glob(s) of node names to SAVE (must save), e.g. ['*.qkv', 'model.layers.*.mlp.up_proj.mm']",
-    "recompute": "glob(s) of node names to RECOMPUTE (must recompute)",
+    "save": "glob(s) of node names (<module path>.<op>) to SAVE (never recompute), e.g. "
+            "['model.layers.*.mlp.up_proj.mm']; a glob matching a module path selects its output: ['*.qkv']",
+    "recompute": "glob(s) of node names or module paths to RECOMPUTE (must recompute)",
     "lower": "'inductor' (default: C++ on CPU, Triton on CUDA) or 'eager' (run the partitioned FX graphs)",
     "memory_budget": "fraction in [0, 1], size ('512MiB', '1.5GB', '50%') or int bytes: saved activation "
                      "bytes allowed (default remat_fx.config.memory_budget, None = no budget)",
@@ -63,6 +64,9 @@ class BackendOptions:
     solver: str = "ilp"
     solver_time_limit: float = 10.0
     globs: NameGlobs = field(default=None, compare=False, repr=False)
+    # the globs the tag pass has warned match nothing: once per compile, shared by the copies
+    # (dataclasses.replace) the step planner re-plans the graph with
+    warned: set = field(default_factory=set, compare=False, repr=False)
 
     def key(self) -> tuple:
         """What changes the compiled result (for Inductor's cache)."""

@@ -12,7 +12,7 @@ import operator
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -36,6 +36,7 @@ class JointGraph:
     num_fwd_outputs: int = 0
     forward: Set[fx.Node] = field(default_factory=set)  # call_function nodes the forward outputs need
     names: Dict[fx.Node, str] = field(default_factory=dict)  # forward node -> glob-matchable name
+    paths: Dict[fx.Node, Tuple[str, ...]] = field(default_factory=dict)  # forward node -> its module paths
 
     def custom(self, node: fx.Node) -> dict:
         return node.meta.get("custom") or {}
@@ -52,17 +53,42 @@ def op_name(node: fx.Node) -> str:
 _SUBSCRIPT = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 
 
-def module_path(node: fx.Node) -> Optional[str]:
-    """Dotted path of the innermost module the node was traced in (``layers.0.mlp.up``)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path = list(stack.values())[-1][0]
+def _dotted(path: str) -> str:
     # Dynamo spells paths as L['self'].layers[0].mlp or L['self']._modules['layers']._modules['0']
     path = re.sub(r"^[LG]\[['\"][^'\"]*['\"]\]\.?", "", path)  # the root: L['self'], G['model'], ...
     path = re.sub(r"\.?_modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)  # only Dynamo's own accessor
     path = _SUBSCRIPT.sub(r".\1", path).strip(".")
     return re.sub(r"\.+", ".", path)
+
+
+def module_paths(node: fx.Node) -> Tuple[str, ...]:
+    """Dotted paths of the modules the node was traced in, outermost first (``layers``,
+    ``layers.0``, ``layers.0.mlp``, ``layers.0.mlp.up``); the root module has none."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ()
+    paths = (_dotted(path) for path, _ in stack.values())
+    return tuple(dict.fromkeys(p for p in paths if p))
+
+
+def module_path(node: fx.Node) -> Optional[str]:
+    """Dotted path of the innermost module the node was traced in (``layers.0.mlp.up``)."""
+    paths = module_paths(node)
+    return paths[-1] if paths else None
+
+
+def module_outputs(joint: "JointGraph", members: Set[fx.Node]) -> List[fx.Node]:
+    """The nodes that make a module's output, as the user reads it: of the module's forward nodes
+    ``members``, those whose value leaves it (read by a forward node outside it, or a forward
+    output), each followed back through views to the node inside the module that computed it
+    (a Linear on 3-d input: the ``addmm`` under the ``view`` that leaves)."""
+    outputs: Dict[fx.Node, None] = {}
+    for node in members:
+        if any(u not in members and (u in joint.forward or u.op == "output") for u in node.users):
+            base = storage_base(node)
+            outputs[base if base in members else node] = None
+    order = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
+    return sorted(outputs, key=order.__getitem__)
 
 
 def read_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
@@ -90,6 +116,7 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
         if node.op == "call_function" and node in seen:
             joint.forward.add(node)
             joint.names[node] = _name(node, joint.custom(node), counts)
+            joint.paths[node] = module_paths(node)
     return joint
 
 

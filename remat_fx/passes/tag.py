@@ -4,6 +4,9 @@ Precedence (first that applies):
   1. random ops are saved (MUST_SAVE): recomputing them would draw fresh randomness;
   2. the backend's ``save``/``recompute`` option globs (MUST);
   3. the enclosing region's ``save``/``offload``/``recompute`` globs (MUST);
+     a glob selects the nodes whose names it matches, and, for a module path it matches where it
+     matches none of that module's node names (``*.qkv``), the module's output (select below); a
+     glob that selects nothing in a graph is warned about once, with the closest names;
   4. a region's outputs (MUST_SAVE): as in eager mode, their consumers outside the region hold them;
   5. inside a checkpoint region, the policy written at the call site: remat.op / native_op /
      annotate (MUST); outside one it decides nothing, as in eager mode;
@@ -15,10 +18,13 @@ Backward nodes carry the forward's annotations in the joint graph and are never 
 """
 from __future__ import annotations
 
+import difflib
+import fnmatch
 import functools
 import operator
+import warnings
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -26,7 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
 from remat_fx.naming import META_NAME, META_POLICY, META_REGION, META_REGION_GLOBS, NameGlobs
 from remat_fx.options import BackendOptions
-from remat_fx.passes.capture import JointGraph, is_multi_output, is_random
+from remat_fx.passes.capture import JointGraph, is_multi_output, is_random, module_outputs
 
 
 @dataclass(frozen=True)
@@ -48,22 +54,58 @@ def _region_globs(custom: dict) -> Optional[NameGlobs]:
 
 
 @functools.lru_cache(maxsize=64)
-def _globs_of(raw: tuple) -> NameGlobs:  # one matcher (and its match cache) per region's globs
+def _globs_of(raw: tuple) -> NameGlobs:  # one matcher per region's globs
     save, offload, recompute = raw
     return NameGlobs(save=save, offload=offload, recompute=recompute)
 
 
-def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions) -> Optional[Tag]:
-    name, custom = joint.names[node], joint.custom(node)
+# what a glob selected a node as: (kind, the module whose output it is, or None for a name match)
+Selected = Tuple[str, Optional[str]]
+
+
+def select(joint: JointGraph, globs: NameGlobs, nodes: Iterable[fx.Node]) -> Tuple[Dict[fx.Node, Selected],
+                                                                                  List[Tuple[str, str]]]:
+    """What ``globs`` select among the forward ``nodes``: {node: (kind, module or None)}, and the
+    (kind, glob) pairs that select nothing. A glob selects the nodes whose name it matches and, for
+    each module path it matches while matching none of that module's node names (``*.qkv`` against
+    ``layers.0.qkv``, whose nodes are ``layers.0.qkv.addmm``, ``layers.0.qkv.view``), that module's
+    output (capture.module_outputs). When several kinds select a node, RECOMPUTE > OFFLOAD > SAVE,
+    as NameGlobs.match."""
+    nodes = [n for n in nodes if n in joint.names]
+    members: Dict[str, set] = {}
+    for node in nodes:
+        for path in joint.paths.get(node, ()):
+            members.setdefault(path, set()).add(node)
+    chosen: Dict[fx.Node, Selected] = {}
+    unmatched: List[Tuple[str, str]] = []
+    for kind, patterns in (("RECOMPUTE", globs.recompute), ("OFFLOAD", globs.offload), ("SAVE", globs.save)):
+        for pattern in patterns:
+            named = {n for n in nodes if fnmatch.fnmatchcase(joint.names[n], pattern)}
+            found: Dict[fx.Node, Optional[str]] = dict.fromkeys(named)
+            for path, inside in members.items():
+                if fnmatch.fnmatchcase(path, pattern) and inside.isdisjoint(named):
+                    for out in module_outputs(joint, inside):
+                        found.setdefault(out, path)
+            if not found:
+                unmatched.append((kind, pattern))
+            for node, module in found.items():
+                chosen.setdefault(node, (kind, module))
+    return chosen, unmatched
+
+
+def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions,
+             by_option: Optional[Selected] = None, by_region: Optional[Selected] = None) -> Optional[Tag]:
+    """``by_option`` / ``by_region``: what the backend option globs / the region's globs selected
+    the node as (see select), if they did."""
+    custom = joint.custom(node)
     if is_random(node):
         return Tag(TorchPolicy.MUST_SAVE, "random op: saved so backward sees the forward's values")
-    kind = options.globs.match(name) if options.globs else None
-    if kind is not None:
-        return Tag(_MUST[kind], f"backend option {kind.lower()} glob")
-    region_globs = _region_globs(custom)
-    kind = region_globs.match(name) if region_globs is not None else None
-    if kind is not None:
-        return Tag(_MUST[kind], f"region '{custom.get(META_REGION)}' {kind.lower()} glob")
+    if by_option is not None:
+        kind, module = by_option
+        return Tag(_MUST[kind], f"backend option {kind.lower()} glob" + _output_of(module))
+    if by_region is not None:
+        kind, module = by_region
+        return Tag(_MUST[kind], f"region '{custom.get(META_REGION)}' {kind.lower()} glob" + _output_of(module))
     region = node.meta.get("ac_graph_id")
     in_region = region is not None or custom.get(META_REGION) is not None
     if in_region and any(u in joint.forward and u.meta.get("ac_graph_id") != region for u in node.users):
@@ -80,11 +122,30 @@ def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions) -> Optio
     return None
 
 
+def _output_of(module: Optional[str]) -> str:
+    return "" if module is None else f" (the output of module '{module}')"
+
+
 def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
     """Tag the forward nodes and write the tags where the min-cut partitioner reads them."""
+    by_option: Dict[fx.Node, Selected] = {}
+    if options.globs:
+        by_option, unmatched = select(joint, options.globs, joint.forward)
+        _warn_unmatched(joint, joint.forward, unmatched, "backend option", options.warned)
+    by_region: Dict[fx.Node, Selected] = {}
+    regions: Dict[tuple, List[fx.Node]] = {}
+    for node in joint.forward:
+        custom = joint.custom(node)
+        if _region_globs(custom) is not None:
+            raw = tuple(map(tuple, custom[META_REGION_GLOBS]))
+            regions.setdefault((custom.get(META_REGION), raw), []).append(node)
+    for (region, raw), inside in regions.items():
+        chosen, unmatched = select(joint, _globs_of(raw), inside)
+        by_region.update(chosen)
+        _warn_unmatched(joint, inside, unmatched, f"region '{region}'", options.warned)
     tags: Dict[fx.Node, Tag] = {}
     for node in joint.forward:
-        tag = tag_node(joint, node, options)
+        tag = tag_node(joint, node, options, by_option.get(node), by_region.get(node))
         if tag is not None:
             tags[node] = tag
     # a tuple cannot be saved: a multi-output op stays banned from recompute and its getitem
@@ -96,6 +157,77 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
     for node, tag in tags.items():
         node.meta["recompute"] = tag.policy
     return tags
+
+
+def _warn_unmatched(joint: JointGraph, nodes: Iterable[fx.Node], unmatched: List[Tuple[str, str]], where: str,
+                    warned: set) -> None:
+    """One warning per glob that selects nothing in this graph, once per compile (``warned``: the
+    options' record; the step planner partitions a graph again with copies of the same options)."""
+    if not unmatched:
+        return
+    order = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
+    nodes = sorted((n for n in nodes if n in joint.names), key=order.__getitem__)
+    names = list(dict.fromkeys(joint.names[n] for n in nodes))
+    paths = list(dict.fromkeys(p for n in nodes for p in joint.paths.get(n, ())))
+    for kind, pattern in unmatched:
+        key = (where, kind, pattern)
+        if key in warned:
+            continue
+        warned.add(key)
+        warnings.warn(unmatched_message(pattern, f"{where} {kind.lower()}", names, paths), UserWarning,
+                      stacklevel=3)
+
+
+def unmatched_message(pattern: str, what: str, names: List[str], paths: List[str]) -> str:
+    """The warning for a glob that selects nothing: the glob, up to 3 close globs that do match (or
+    close names), and how names are formed."""
+    suggestions = _close_globs(pattern, names + paths)
+    if suggestions:
+        hint = "; did you mean " + ", ".join(
+            f"'{g}'" + ("" if hits == [g] else f" ({', '.join(hits[:2])}{', ...' if len(hits) > 2 else ''})")
+            for g, hits in suggestions) + "?"
+        first = suggestions[0][1][0]
+        example = next((n for n in _computing(names) if n == first or n.startswith(first + ".")), None)
+    else:
+        close = difflib.get_close_matches(pattern, names + paths, n=3, cutoff=0.5)
+        hint = f"; the closest names: {', '.join(close)}." if close else "."
+        example = None
+    example = example or next((n for n in _computing(names) if "." in n), None)
+    return (f"remat_fx: {what} glob '{pattern}' matched no node in this graph{hint} Node names are "
+            f"<module path>.<op>{f', e.g. {example}' if example else ''} (or the name given to remat.op, "
+            f"native_op or annotate); a glob that matches a module path (*.qkv) selects that module's output.")
+
+
+_LAYOUT_OPS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "clone", "alias",
+               "squeeze", "unsqueeze", "slice", "select", "split", "chunk", "getitem"}
+
+
+def _computing(names: List[str]) -> List[str]:
+    """Names of ops that compute (``layers.0.qkv.addmm``) before those that only reshape (``.view``)."""
+    return sorted(names, key=lambda n: n.rsplit(".", 1)[-1] in _LAYOUT_OPS)
+
+
+def _close_globs(pattern: str, candidates: List[str]) -> List[Tuple[str, List[str]]]:
+    """Up to 3 globs close to ``pattern`` that do match: each candidate name written in the
+    pattern's shape (its dotted parts aligned from the left, and from the right, with the pattern's
+    wildcard parts kept), with the candidates each matches."""
+    parts = pattern.split(".")
+    wild = [any(c in part for c in "*?[") for part in parts]
+    forms: Dict[str, None] = {}
+    for name in candidates:
+        words = name.split(".")
+        if len(words) < len(parts):
+            continue
+        for aligned in (words[:len(parts)], words[len(words) - len(parts):]):
+            form = ".".join(p if w else a for p, w, a in zip(parts, wild, aligned))
+            if form != pattern:
+                forms[form] = None
+    found = []
+    for form in difflib.get_close_matches(pattern, list(forms), n=10, cutoff=0.7):
+        hits = [n for n in candidates if fnmatch.fnmatchcase(n, form)]
+        if hits:
+            found.append((form, hits))
+    return found[:3]
 
 
 def _is_layout(node: fx.Node) -> bool:

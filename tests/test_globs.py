@@ -1,0 +1,93 @@
+"""Globs in compiler mode: a glob naming a module path (``*.qkv``) saves that module's output, and a
+glob that matches nothing in a graph warns, with the closest globs that do match."""
+import warnings
+
+import pytest
+import torch
+
+import remat_fx as remat
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(16, 48), torch.nn.Linear(48, 16)
+
+    def forward(self, x):
+        return x + self.o(torch.nn.functional.gelu(self.qkv(x)))  # gelu's backward reads qkv's output
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _run(save):
+    """(plan, remat warnings, gradients equal to an uncompiled run's)"""
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(2, 8, 16)
+    model(x).square().mean().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    # at memory budget 0 everything that can be recomputed is, unless a glob says SAVE
+    compiled = torch.compile(model, backend="remat", options={"save": save, "lower": "eager", "memory_budget": 0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(x).square().mean().backward()
+    for a, b in zip((p.grad for p in model.parameters()), want):
+        torch.testing.assert_close(a, b)
+    return remat.last_plan(), [str(w.message) for w in caught if "remat_fx" in str(w.message)]
+
+
+QKV_OUT = 2 * 8 * 48 * 4  # bytes of one qkv output (2x8x48 float32)
+
+
+def test_a_module_path_glob_saves_the_modules_output_and_a_typo_warns():
+    plan, caught = _run(["*.qkv"])
+    assert caught == []
+    by_module = {}
+    for s in plan.saved:
+        for path in ("layers.0.qkv", "layers.1.qkv"):
+            if f"(the output of module '{path}')" in s.reason:
+                by_module[path] = by_module.get(path, 0) + s.bytes
+                assert s.reason.startswith("backend option save glob"), s.reason
+    assert by_module == {"layers.0.qkv": QKV_OUT, "layers.1.qkv": QKV_OUT}, str(plan)
+
+    typo, caught = _run(["*.qvk"])  # matches nothing: the budget recomputes the qkv outputs, and it says so
+    assert not any("qkv" in s.reason for s in typo.saved)
+    assert typo.total_bytes < plan.total_bytes
+    assert caught == [
+        "remat_fx: backend option save glob '*.qvk' matched no node in this graph; did you mean '*.qkv' "
+        "(layers.0.qkv, layers.1.qkv)? Node names are <module path>.<op>, e.g. layers.0.qkv.addmm (or the name "
+        "given to remat.op, native_op or annotate); a glob that matches a module path (*.qkv) selects that "
+        "module's output."]
+
+
+def test_globs_that_match_node_names_select_those_nodes_only():
+    plan, caught = _run(["layers.0.qkv.addmm", "layers.0"])  # a node's name; a module path (a Block)
+    assert caught == []
+    reasons = {s.name: s.reason for s in plan.saved if s.bytes}
+    assert reasons["layers.0.qkv.addmm"] == "backend option save glob"  # as before: that node alone
+    assert reasons["layers.0.add"] == "backend option save glob (the output of module 'layers.0')"
+    assert not any(name.startswith("layers.1.qkv") for name in reasons), reasons
+
+
+@pytest.mark.parametrize("glob, close", [
+    ("layers.0.qkv.adm", "did you mean 'layers.0.qkv.addmm'"),
+    ("zzz", None),
+])
+def test_unmatched_glob_message(glob, close):
+    from remat_fx.passes.tag import unmatched_message
+
+    names = ["layers.0.qkv.view", "layers.0.qkv.addmm", "layers.0.relu"]
+    text = unmatched_message(glob, "region 'blk' recompute", names, ["layers", "layers.0", "layers.0.qkv"])
+    assert text.startswith(f"remat_fx: region 'blk' recompute glob '{glob}' matched no node in this graph")
+    assert (close in text) if close else "did you mean" not in text
+    assert "Node names are <module path>.<op>, e.g. layers.0.qkv.addmm" in text
