@@ -10,7 +10,7 @@ the boxed argument list), each recomputed value dies right after its last use.
 """
 from __future__ import annotations
 
-from typing import Dict, Set
+from typing import List, Set
 
 import torch.fx as fx
 
@@ -19,34 +19,38 @@ def schedule_recompute(bw: fx.GraphModule, recomputed: Set[str]) -> int:
     """Reorder ``bw`` in place; returns how many recomputed nodes moved later."""
     old = list(bw.graph.nodes)
     pos = {n: i for i, n in enumerate(old)}
-    graph = fx.Graph(owning_module=bw, tracer_cls=bw.graph._tracer_cls)
-    graph._codegen = bw.graph._codegen
-    env: Dict[fx.Node, fx.Node] = {}
+    order: List[fx.Node] = []
+    placed: Set[fx.Node] = set()
 
-    def copy(node: fx.Node) -> None:
-        env[node] = graph.node_copy(node, lambda n: env[n])
+    def place(node: fx.Node) -> None:
+        placed.add(node)
+        order.append(node)
 
     def with_pending_inputs(node: fx.Node) -> None:
         pending, stack = set(), list(node.all_input_nodes)
         while stack:
             n = stack.pop()
-            if n in env or n in pending:
+            if n in placed or n in pending:
                 continue
             pending.add(n)
             stack.extend(n.all_input_nodes)
         for n in sorted(pending, key=pos.__getitem__):
-            copy(n)
+            place(n)
 
     for node in old:
         if node.op == "placeholder":
-            copy(node)
+            place(node)
     for node in old:
-        if node in env or node.name in recomputed:
-            continue  # recomputed nodes are emitted on demand, by their first user
+        if node in placed or node.name in recomputed:
+            continue  # recomputed nodes are placed on demand, by their first user
         with_pending_inputs(node)
-        copy(node)
-    before = {n.name: i for i, n in enumerate(old)}
-    moved = sum(1 for i, n in enumerate(graph.nodes) if n.name in recomputed and i > before[n.name])
-    bw.graph = graph
-    bw.recompile()
+        place(node)
+    moved = sum(1 for i, n in enumerate(order) if n.name in recomputed and i > pos[n])
+    if moved:
+        # relink the nodes in the new order (moving a node is O(1); no node is copied)
+        output = order[-1]
+        for node in order[:-1]:
+            if node.op != "placeholder":
+                output.prepend(node)
+        bw.recompile()
     return moved
