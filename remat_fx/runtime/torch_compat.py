@@ -15,19 +15,20 @@ and what differs across versions:
 * **Immediate-recompute trigger** (:func:`new_recompute_trigger`, public API, version-
   dependent lifetime). A tiny ``autograd.Function`` saves one tensor inside the region;
   unpacking it (``grad_fn.saved_tensors``) makes PyTorch's checkpoint recompute the
-  region. Up to torch 2.12 a Python ``grad_fn`` object does not own its node: once the
-  Function's output tensor is gone the node is freed with its saved tensors, and the
-  unpack fails with "Trying to backward through the graph a second time" (the 2.11
-  failure of issue 16). From 2.13 (pytorch#179924) the ``grad_fn`` owns the node. So the
-  trigger keeps the output tensor, which owns the node on every version.
+  region. Before pytorch#179924 (torch 2.11; 2.12 not checked) a Python ``grad_fn`` object
+  does not own its node: once the Function's output tensor is gone the node is freed with
+  its saved tensors, and the unpack fails with "Trying to backward through the graph a
+  second time" (the 2.11 failure of issue 16). In 2.13 and 2.14 the ``grad_fn`` owns the
+  node. So the trigger keeps the output tensor, which owns the node on every version.
 * **Selective-checkpoint caching of native SAVE ops** (:func:`sac_forward_mode`,
   :func:`sac_replay_mode`, :func:`sac_cached`, :func:`sac_map`). The modes come from the
   public ``create_selective_checkpoint_contexts``; their shared ``storage`` is private
   and changed layout: torch 2.13/2.14 keep ``{op: {call index: entry}}`` (entries are
   ``_VersionWrapper`` trees or sentinels); torch 2.11 keeps ``{op: [entry, ...]}``
-  (saved calls only, popped in order by the replay mode). The layout is read from the
-  storage's ``default_factory``; one code path per layout. The list layout is written
-  from torch 2.11's torch/utils/checkpoint.py and was NOT run here (no 2.11/2.12 wheel).
+  (saved calls only, popped in order by the replay mode, which asks the policy again;
+  2.12 not checked). The layout is read from the storage's ``default_factory``; one code
+  path per layout. The list layout is written from torch 2.11's torch/utils/checkpoint.py
+  and was NOT run here (no 2.11/2.12 wheel).
   A cached leaf is an object whose ``.val`` is the tensor (``_VersionWrapper`` in every
   version seen). An unknown layout raises with a message naming this module. torch 2.14
   can route the cache through the user's ``saved_tensors_hooks``
@@ -48,8 +49,8 @@ and what differs across versions:
   ``torch._C._dynamo.eval_frame.get_eval_frame_callback``. Only decides whether to warn.
 * **Tensor internals**: ``Tensor._version`` (in-place checks), ``Tensor._base`` (views of
   a SAVE op's output), ``Tensor._make_wrapper_subclass`` (placeholders),
-  ``StorageWeakRef`` (storage identity for aliases), ``torch.utils._pytree``. Stable
-  across every version above; no public equivalents.
+  ``StorageWeakRef`` (storage identity for aliases), ``torch.utils._pytree``. Long-standing
+  (older than torch 2.0), unchanged in 2.13/2.14; no public equivalents.
 """
 from __future__ import annotations
 
@@ -195,7 +196,7 @@ def new_recompute_trigger() -> torch.Tensor:
     """Save one empty tensor through the innermost saved-tensor hooks (inside a checkpoint
     region: the region's own). Returns what :func:`fire_recompute_trigger` needs: the
     Function's output, which owns the node and so its saved tensor on every torch version
-    (a bare ``grad_fn`` does not before torch 2.13)."""
+    (a bare ``grad_fn`` does not on torch 2.11)."""
     return _RecomputeTrigger.apply(torch.empty(0, requires_grad=True))
 
 
