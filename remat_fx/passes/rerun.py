@@ -90,6 +90,9 @@ class _Program:
                 reads_tangent.add(node)
         self.rerunnable = {n for n in made if n not in reads_tangent and _rerunnable(n)}
         self.counted, self.shared, self.inline = counted, shared, inline
+        # an item's storage root depends only on the item (never mutated) and ``shared``: one memo
+        # for every program the search tries
+        self.roots: Dict[_Item, object] = {}
 
     def root(self, item: _Item, memo: dict):
         found = memo.get(item)
@@ -109,7 +112,7 @@ class _Program:
         """Liveness of the program as passes/peak.simulate counts it (with ``inline``, as Inductor
         runs it): (live bytes per position, root of each position, start, last, uses, size by root)."""
         items = self.items
-        memo: dict = {}
+        memo = self.roots
         position = {item: i for i, item in enumerate(items)}
         roots = [self.root(item, memo) for item in items]
         inlined: Set[_Item] = set()
@@ -230,7 +233,7 @@ def _prefix(history, peak0: int, cap, min_gain: float) -> int:
 def _candidates(prog: _Program, live, roots, start, last, uses, size, inlined, t_star, cost, max_closure):
     """(score, root, plan) for values held across ``t_star`` but not used there, best first."""
     items = prog.items
-    used_here = {roots[i] for i in [t_star]} | {prog.root(m, {}) for m in items[t_star].ins.values()}
+    used_here = {roots[i] for i in [t_star]} | {prog.root(m, prog.roots) for m in items[t_star].ins.values()}
     end = len(items) - 1
     held = []
     for r, s in start.items():
