@@ -91,3 +91,20 @@ def test_unmatched_glob_message(glob, close):
     assert text.startswith(f"remat_fx: region 'blk' recompute glob '{glob}' matched no node in this graph")
     assert (close in text) if close else "did you mean" not in text
     assert "Node names are <module path>.<op>, e.g. layers.0.qkv.addmm" in text
+
+
+@pytest.mark.parametrize("path, want", [
+    ("L['self'].layers[0].qkv", "layers.0.qkv"),
+    ("L['self']._modules['layers']._modules['0']", "layers.0"),
+    # Hugging Face wraps forward in decorators taking *args: the root module is args[0]
+    ("L['args'][0].model.layers[1].mlp", "model.layers.1.mlp"),
+    ("G['model'].blocks['attn']", "blocks.attn"),
+])
+def test_module_paths_start_below_the_root_module(path, want):
+    from torch.fx import Graph
+
+    from remat_fx.passes.capture import module_path, module_paths
+
+    node = Graph().placeholder("x")
+    node.meta["nn_module_stack"] = {"root": (path.split(".")[0], torch.nn.Module), "leaf": (path, torch.nn.Module)}
+    assert module_path(node) == want and module_paths(node) == (want,)

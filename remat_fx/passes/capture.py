@@ -55,7 +55,8 @@ _SUBSCRIPT = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 
 def _dotted(path: str) -> str:
     # Dynamo spells paths as L['self'].layers[0].mlp or L['self']._modules['layers']._modules['0']
-    path = re.sub(r"^[LG]\[['\"][^'\"]*['\"]\]\.?", "", path)  # the root: L['self'], G['model'], ...
+    # the root: L['self'], G['model'], or L['args'][0] (a forward wrapped by a decorator taking *args)
+    path = re.sub(r"^[LG]\[['\"][^'\"]*['\"]\](\[[0-9]+\])*\.?", "", path)
     path = re.sub(r"\.?_modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)  # only Dynamo's own accessor
     path = _SUBSCRIPT.sub(r".\1", path).strip(".")
     return re.sub(r"\.+", ".", path)
