@@ -12,6 +12,7 @@ import bisect
 import functools
 import hashlib
 import pathlib
+import re
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -20,6 +21,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from remat_fx.options import BackendOptions
 from remat_fx.passes.capture import decompositions
 from remat_fx.passes.partition import partition
+from remat_fx.passes.plan import input_names
 
 _SOURCES = sorted((pathlib.Path(__file__).resolve().parents[1]).rglob("*.py"))
 
@@ -111,7 +113,27 @@ def _compile_keeping_reruns_late(*args, keep_peak: bool = False, **kwargs):
         return compile_fx_inner(*args, **kwargs)
 
 
+def _input_names(gm) -> list:
+    """The user's names of a Dynamo graph's inputs (``x``, ``args[1]``; parameters by attribute path)."""
+    names = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        source = getattr(node, "_dynamo_source", None)
+        name = getattr(source, "name", None)
+        name = name() if callable(name) else name
+        if not isinstance(name, str):
+            names.append(node.name)
+            continue
+        name = re.sub(r"^[LG]\[['\"]([^'\"]+)['\"]\]", r"\1", name)
+        names.append(re.sub(r"\.?_(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]", r".\1", name))
+    return names
+
+
 def lower(gm, example_inputs, options: BackendOptions):
+    with input_names(_input_names(gm)):
+        return _lower(gm, example_inputs, options)
+
+
+def _lower(gm, example_inputs, options: BackendOptions):
     if options.lower == "inductor":
         from torch._inductor.compile_fx import compile_fx
 

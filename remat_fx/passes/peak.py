@@ -353,8 +353,10 @@ def fit_peak(cut, budgets, cap: Optional[int], fraction: Optional[float] = None)
         raise PeakInfeasible(
             f"remat_fx: peak_budget {fmt_bytes(cap)} ({cap:,} bytes) is below every estimated step peak found: "
             f"the lowest is {fmt_bytes(best[2].peak.step)} ({best[2].peak.step:,} bytes), saving "
-            f"{fmt_bytes(best[2].total_bytes)} for backward (feasible saved bytes {fmt_bytes(lo)} .. "
-            f"{fmt_bytes(top)}). Raise peak_budget to at least {best[2].peak.step:,} bytes, or shrink the step "
+            f"{fmt_bytes(best[2].total_bytes)} for backward ("
+            + (f"every plan saves {fmt_bytes(lo)}" if lo == top else
+               f"feasible saved bytes {fmt_bytes(lo)} .. {fmt_bytes(top)}")
+            + f"). Raise peak_budget to at least {best[2].peak.step:,} bytes, or shrink the step "
             f"(batch, sequence length).")
     good_target, good = found
     for _ in range(4):  # bisect towards more saved bytes (less recompute) while under the cap

@@ -1,15 +1,21 @@
 """The Plan: what a compiled graph saves for backward, why, and what it recomputes.
 
-``remat.last_plan()`` returns the plan of the last graph compiled by the backend;
-``str(plan)`` prints one line per saved activation, like JAX's
-``print_saved_residuals``.
+``remat.last_plan()`` returns the plan of the last graph compiled by the backend.
+``str(plan)`` is the compact view: the activations saved for backward, one line per stored tensor
+under the name the user knows (its module path and op, grouped, with a count when several share a
+name), parameters summed up in one line, and the budget's story (target, achieved, feasible range,
+and why they differ). ``plan.format(full=True)`` is the full table: every saved tensor, parameters
+and FX names included, like JAX's ``print_saved_residuals``.
 """
 from __future__ import annotations
 
+import contextlib
 import pathlib
+import re
 from collections import Counter
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.fx as fx
@@ -34,6 +40,13 @@ class SavedActivation:
     reason: str
     owner: Optional[str] = None  # the remat op this activation is kept for (see Plan.bytes_by_owner)
     source: Optional[str] = None  # the user source line, where FX recorded it
+    # the stored tensor it is (a view, or an alias, shares its base's storage): its name as the user
+    # knows it (module path and op, "input x", or "le(layers.0.relu)" for an op the partitioner moved
+    # into the forward for the backward), its FX name and shape
+    label: str = ""
+    storage: str = ""
+    storage_shape: tuple = ()
+    parameter: bool = False  # a parameter (held by the model anyway: 0 bytes)
 
 
 @dataclass
@@ -56,13 +69,37 @@ class BudgetReport:
     fastest_step_s: float = 0.0
 
     def __str__(self) -> str:
-        text = (f"budget {self.budget}: target {fmt_bytes(self.target)}, achieved {fmt_bytes(self.achieved)} "
-                f"(feasible {fmt_bytes(self.minimum)} .. {fmt_bytes(self.maximum)}); {self.solver} in "
-                f"{self.solve_seconds * 1e3:.0f} ms, est. recompute {self.estimated_cost_s * 1e3:.3f} ms")
+        """Target, achieved, the feasible range, and why achieved is below the target when the plan
+        was solved at a lower one; the solver only when one ran."""
+        low, high = fmt_bytes(self.minimum), fmt_bytes(self.maximum)
+        text = f"budget {self.budget}: target {fmt_bytes(self.target)}"
+        if self.minimum == self.maximum:
+            text += f" (every plan saves {low})"
+        elif _is_fraction(self.budget) and float(self.budget) in (0.0, 1.0):
+            text += (f" (the feasible minimum; the maximum, the plan without a budget, is {high})"
+                     if float(self.budget) == 0 else f" (the feasible maximum, the plan without a budget; the "
+                                                     f"minimum is {low})")
+        elif _is_fraction(self.budget):
+            text += f" ({self.budget} of the way from the feasible minimum {low} to the maximum {high})"
+        else:
+            text += f" (feasible minimum {low} .. maximum {high})"
+        text += f", achieved {fmt_bytes(self.achieved)}"
         if self.lowered_to is not None:
-            text += (f"; solved at {fmt_bytes(self.lowered_to)} for a lower estimated peak (the fastest plan's: "
-                     f"{fmt_bytes(self.fastest_peak)}, est. step {self.fastest_step_s * 1e3:.1f} ms)")
-        return text
+            text += (f": solved at a lower target, {fmt_bytes(self.lowered_to)}, for a lower estimated peak (the "
+                     f"fastest plan under {fmt_bytes(self.target)}: est. peak {fmt_bytes(self.fastest_peak)}, est. "
+                     f"step {self.fastest_step_s * 1e3:.1f} ms)")
+        if self.solver == "none":
+            text += ": the plan without a budget fits, no solver ran"
+        else:
+            text += f"; {self.solver} solver, {self.solve_seconds * 1e3:.0f} ms"
+        return text + f"; est. recompute {self.estimated_cost_s * 1e3:.3f} ms"
+
+
+def _is_fraction(budget: str) -> bool:
+    try:
+        return 0.0 <= float(budget) <= 1.0
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -105,9 +142,27 @@ class Plan:
         return out
 
     def __str__(self) -> str:
-        lines = [f"remat plan ({self.lower} lowering): {len(self.saved)} saved for backward, "
-                 f"{self.total_bytes:,} bytes; recompute {self.recompute_flops:,} FLOPs "
-                 f"({len(self.recomputed)} forward nodes rerun in backward, est. {self.recompute_cost_s * 1e3:.3f} ms)"]
+        return self.format()
+
+    def format(self, full: bool = False) -> str:
+        """The compact view (``str(plan)``), or with ``full`` every saved tensor, one line each: its
+        name (remat name, module path + op, or FX name), shape, dtype, bytes, why, and source line."""
+        activations = [s for s in self.saved if not s.parameter]
+        storages = {s.storage or s.fx_name for s in activations}
+        params = len(self.saved) - len(activations)
+        if full:
+            head = (f"remat plan ({self.lower} lowering): {len(self.saved)} saved for backward, "
+                    f"{self.total_bytes:,} bytes")
+        else:
+            head = (f"remat plan ({self.lower} lowering): {len(storages)} activation"
+                    f"{'' if len(storages) == 1 else 's'} saved for backward, {fmt_bytes(self.total_bytes)}")
+        lines = [head + (f"; recompute {self.recompute_flops:,} FLOPs ({len(self.recomputed)} forward nodes rerun in "
+                         f"backward, est. {self.recompute_cost_s * 1e3:.3f} ms)" if self.recomputed else
+                         "; nothing recomputed")]
+        if self.budget is not None:
+            lines.append(f"  {self.budget}")
+            for name, region in self.budget.regions.items():
+                lines.append(f"  region '{name}': {region}")
         if self.peak is not None:
             cap = "" if self.peak_budget is None else (f", peak_budget {fmt_bytes(self.peak_budget)} "
                                                        f"({self.peak_evaluations} plans estimated)")
@@ -119,16 +174,55 @@ class Plan:
                          f"est. {r.cost_s * 1e3:.3f} ms of "
                          + ("any" if r.allowance_s is None else f"{r.allowance_s * 1e3:.3f} ms") + " allowed): "
                          f"estimated peak {fmt_bytes(r.peak_before)} -> {fmt_bytes(r.peak_after)}")
-        if self.budget is not None:
-            lines.append(f"  {self.budget}")
-            for name, region in self.budget.regions.items():
-                lines.append(f"  region '{name}': {region}")
-        for s in self.saved:
-            shape = "x".join(map(str, s.shape)) or "scalar"
-            where = f"  [{s.source}]" if s.source else ""
-            lines.append(f"  {s.name:<40s} {shape:>16s} {str(s.dtype).replace('torch.', ''):>9s} "
-                         f"{s.bytes:>12,d}  {s.reason}{where}")
+        if full:
+            for s in self.saved:
+                shape = "x".join(map(str, s.shape)) or "scalar"
+                where = f"  [{s.source}]" if s.source else ""
+                lines.append(f"  {s.name:<40s} {shape:>16s} {str(s.dtype).replace('torch.', ''):>9s} "
+                             f"{s.bytes:>12,d}  {s.reason}{where}")
+            return "\n".join(lines)
+        lines.extend(_compact_rows(activations))
+        if params:
+            lines.append(f"  {params} parameter{'' if params == 1 else 's'} (not activations) omitted; "
+                         f"plan.format(full=True) lists every saved tensor")
         return "\n".join(lines)
+
+
+_VIEW_NOTE = re.compile(r" \((a view of|alias of) [^()]*\)$")
+
+
+def _compact_rows(activations: Sequence[SavedActivation]) -> List[str]:
+    """One line per name the user knows, stored tensors of the same name together (``x3``), grouped
+    by module path in forward order."""
+    groups: Dict[str, List[SavedActivation]] = {}
+    for s in activations:
+        groups.setdefault(s.label or s.name, []).append(s)
+    modules: Dict[str, int] = {}
+    for label in groups:
+        modules.setdefault(_module_of(label), len(modules))
+    cells = []
+    for label in sorted(groups, key=lambda lb: modules[_module_of(lb)]):  # stable: forward order within
+        members = groups[label]
+        storages = list(dict.fromkeys(s.storage or s.fx_name for s in members))
+        shapes = dict.fromkeys("x".join(map(str, s.storage_shape or s.shape)) or "scalar" for s in members)
+        shape = ", ".join(list(shapes)[:3]) + (", ..." if len(shapes) > 3 else "")
+        reasons = list(dict.fromkeys(_VIEW_NOTE.sub("", s.reason) for s in members))
+        dtypes = "/".join(sorted({str(s.dtype).replace("torch.", "") for s in members}))
+        name = label if len(storages) == 1 else f"{label} x{len(storages)}"
+        cells.append((name, shape, dtypes, fmt_bytes(sum(s.bytes for s in members)), "; ".join(reasons)))
+    widths = [max((len(c[i]) for c in cells), default=0) for i in range(4)]
+    return [f"  {n:<{widths[0]}s}  {sh:>{widths[1]}s} {dt:>{widths[2]}s} {b:>{widths[3]}s}  {why}"
+            for n, sh, dt, b, why in cells]
+
+
+def _module_of(label: str) -> str:
+    """The module path a compact row is filed under: the label less its op (``le(x.relu)``: x's)."""
+    inner = re.fullmatch(r"\w+\((.*)\)", label)
+    if inner:
+        label = inner.group(1)
+    if label.startswith("input "):
+        return ""
+    return label.rsplit(".", 1)[0] if "." in label else ""
 
 
 _PLANS: List[Plan] = []
@@ -157,6 +251,53 @@ def _source(node: fx.Node) -> Optional[str]:
 _LIBRARY_PATHS = (str(pathlib.Path(__file__).resolve().parents[1]), str(pathlib.Path(torch.__file__).parent))
 
 
+_INPUT_NAMES: ContextVar[Optional[List[str]]] = ContextVar("remat_fx_input_names", default=None)
+
+
+@contextlib.contextmanager
+def input_names(names: Optional[List[str]]):
+    """The names of the compiled graph's inputs, in order (the lowering knows them from Dynamo's
+    graph), for the plans built inside: a saved input shows as ``input x``, not ``primals_3``."""
+    token = _INPUT_NAMES.set(names)
+    try:
+        yield
+    finally:
+        _INPUT_NAMES.reset(token)
+
+
+def _input_label(joint: JointGraph, node: fx.Node) -> str:
+    placeholders = [n.name for n in joint.gm.graph.nodes if n.op == "placeholder"]
+    desc = getattr(node.meta.get("desc"), "idx", None)
+    index = desc if isinstance(desc, int) else placeholders.index(node.name) if node.name in placeholders else None
+    names = _INPUT_NAMES.get()
+    if index is not None and names is not None and index < len(names):
+        return f"input {names[index]}"
+    return f"input {index}" if index is not None else f"input {node.name}"
+
+
+def _label(joint: JointGraph, by_name: Dict[str, fx.Node], base: fx.Node) -> str:
+    """The name the user knows a stored tensor by (``base``: a node of the forward graph)."""
+    if base.op == "placeholder":
+        return _input_label(joint, base)
+    node = by_name.get(base.name)
+    if node is not None:
+        return joint.names[node]
+    # an op of the backward's formulas the partitioner computes in the forward (relu's mask ``le``):
+    # named after the nearest forward value it is computed from
+    seen, queue = {base}, list(base.all_input_nodes)
+    while queue:
+        source = queue.pop(0)
+        if source in seen:
+            continue
+        seen.add(source)
+        if source.op == "placeholder":
+            return f"{op_name(base)}({_input_label(joint, source)})"
+        if source.name in by_name:
+            return f"{op_name(base)}({joint.names[by_name[source.name]]})"
+        queue.extend(source.all_input_nodes)
+    return base.name
+
+
 def build_plan(joint: JointGraph, tags: Dict[fx.Node, Tag], fw: fx.GraphModule, bw: fx.GraphModule,
                num_fwd_outputs: int, params: Set[str], lower: str, cost_model=None) -> Plan:
     by_name = {n.name: n for n in joint.forward}
@@ -164,6 +305,7 @@ def build_plan(joint: JointGraph, tags: Dict[fx.Node, Tag], fw: fx.GraphModule, 
     plan = Plan(lower=lower)
     out_node = next(n for n in fw.graph.nodes if n.op == "output")
     counted: Dict[str, str] = {}  # base node name -> the name its bytes were charged to
+    labels: Dict[str, str] = {}  # base node name -> its label
     for saved in out_node.args[0][num_fwd_outputs:]:
         if not isinstance(saved, fx.Node):
             continue
@@ -187,8 +329,14 @@ def build_plan(joint: JointGraph, tags: Dict[fx.Node, Tag], fw: fx.GraphModule, 
             elif base is not saved:
                 reason += f" (a view of {joint.names.get(base_node, base.name)})"
             counted.setdefault(base.name, name)
+        if base.name not in labels:
+            labels[base.name] = _label(joint, by_name, base)
+        base_val = base.meta.get("val", val)
         plan.saved.append(SavedActivation(name, saved.name, tuple(concrete(d) for d in val.shape), val.dtype,
-                                          nbytes, reason, owner, _source(node)))
+                                          nbytes, reason, owner, _source(node), label=labels[base.name],
+                                          storage=base.name,
+                                          storage_shape=tuple(concrete(d) for d in getattr(base_val, "shape", ())),
+                                          parameter=base.name in params))
     plan.forward_ops = Counter(op_name(n) for n in fw.graph.nodes if n.op == "call_function")
     plan.backward_ops = Counter(op_name(n) for n in bw.graph.nodes if n.op == "call_function")
     fwd_names = {n.name for n in joint.forward}
