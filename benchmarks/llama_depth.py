@@ -1,7 +1,7 @@
 """Step peak at depth: an 8-layer Hugging Face Llama (built from a LlamaConfig, no download) under
 remat's memory_budget, against eager PyTorch and eager per-layer torch.utils.checkpoint (CPU).
 
-    python benchmarks/llama_depth.py [--budgets 1,0.5,0.3,0.2,0.1,0] [--lower inductor|eager]
+    python benchmarks/llama_depth.py [--budgets 1,0.5,0.3,0.2,0.1,0] [--torch-budgets 1,0.3,0] [--lower inductor|eager]
                                      [--layers 8] [--seq 256] [--batch 4] [--steps 5] [--grads] [--plans]
 
 Per variant: the step's incremental peak (benchmarks/memory.py step_peak_bytes, one warmed-up
@@ -69,6 +69,8 @@ def grads_of(model):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", default="1,0.5,0.3,0.2,0.1,0")
+    p.add_argument("--torch-budgets", default="",
+                   help="PyTorch's activation_memory_budget values to compare (torch.compile, Inductor), e.g. 1,0.3,0")
     p.add_argument("--lower", default="inductor", choices=("inductor", "eager"))
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=128)
@@ -124,7 +126,8 @@ def main(argv=None):
         print(f"{label:24s} peak {peak / MiB:7.2f} MiB" + (
             f"  est {row['est']:7.2f}  saved {row['saved']:6.2f}  reruns {row['reruns']:3d} "
             f"({row['rerun_ms']:.2f} ms of {'any' if row['allow'] is None else format(row['allow'], '.2f')})"
-            f"  partition {row['part_s']:.1f} s  compile {compile_s:.1f} s" if plan is not None else ""),
+            f"  partition {row['part_s']:.1f} s  compile {compile_s:.1f} s" if plan is not None else
+            f"  compile {compile_s:.1f} s" if compile_s else ""),
             flush=True)
         if args.plans and plan is not None:
             print("\n".join(str(plan).splitlines()[:5]), flush=True)
@@ -134,6 +137,15 @@ def main(argv=None):
         add("eager", model, loss, ids)
         model, loss, ids = build(args, checkpoint=True)
         add("eager per-layer ckpt", model, loss, ids)
+    for b in [float(v) for v in args.torch_budgets.split(",") if v]:
+        torch._dynamo.reset()
+        model, loss, ids = build(args)
+        compiled = torch.compile(loss, fullgraph=True)  # PyTorch's own budget, Inductor
+        t0 = time.perf_counter()
+        with torch._functorch.config.patch(enable_autograd_cache=False, activation_memory_budget=b):
+            model.zero_grad(set_to_none=True)
+            compiled(ids).backward()
+        add(f"PyTorch {b:g}", model, compiled, ids, None, time.perf_counter() - t0)
     for b in budgets:
         torch._dynamo.reset()
         model, loss, ids = build(args)
