@@ -103,3 +103,21 @@ def test_an_infeasible_peak_with_no_room_to_choose_says_what_every_plan_saves():
     assert re.search(r"peak_budget 1.00 KiB \(1,024 bytes\) is below every estimated step peak found: the lowest "
                      r"is [0-9.]+ KiB \([0-9,]+ bytes\), saving [0-9.]+ KiB for backward \(every plan saves "
                      r"[0-9.]+ KiB\)\. Raise peak_budget to at least", str(info.value)), str(info.value)
+
+
+def test_long_planning_logs_each_candidate_plan(monkeypatch, caplog):
+    """Planning past _PROGRESS_S seconds says what it is doing (INFO, logger remat_fx)."""
+    import logging
+
+    import remat_fx.passes.partition as partition
+
+    monkeypatch.setattr(partition, "_PROGRESS_S", 0.0)
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    with caplog.at_level(logging.INFO, logger="remat_fx"):
+        f = torch.compile(model, backend="remat", options={"lower": "eager", "memory_budget": 0.3})
+        f(torch.randn(4, 16)).sum().backward()
+    lines = [r.getMessage() for r in caplog.records if "planning a graph of" in r.getMessage()]
+    assert lines and re.search(r"^remat_fx: planning a graph of \d+ nodes, [0-9.]+ s so far: plan 1, memory_budget 0.3, "
+                               r"saves [0-9.]+ [KMG]?i?B, estimated peak [0-9.]+ [KMG]?i?B$", lines[0]), lines
+    torch._dynamo.reset()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import operator
 import time
 from typing import List, Optional, Set
@@ -20,6 +21,7 @@ from torch._functorch.compile_utils import fx_graph_cse
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
+from remat_fx.memory_budget import fmt_bytes
 from remat_fx.options import BackendOptions
 from remat_fx.passes.budget import apply_budget, budgets_of
 from remat_fx.passes.capture import is_random, read_joint
@@ -30,6 +32,9 @@ from remat_fx.passes.rerun import rerun_for_peak
 from remat_fx.passes.plan import build_plan, record
 from remat_fx.passes.schedule import schedule_recompute
 from remat_fx.passes.tag import tag_joint
+
+log = logging.getLogger("remat_fx")
+_PROGRESS_S = 5.0  # planning longer than this logs each candidate plan it estimates (INFO)
 
 _ORIGINAL = "remat_fx.original_recompute"
 _SINKS: List[list] = []
@@ -83,6 +88,7 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
         budgets = budgets_of(joint, options)
 
         cuts: dict = {}  # one partition call solves a target once (the peak searches revisit them)
+        by_tags: dict = {}  # and partitions one set of tags once
 
         def cut(budgets, fastest_s=None):
             """(fw, bw, plan, tags) meeting ``budgets`` ({} = the plan without a budget); ``fastest_s``:
@@ -91,6 +97,13 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             key = (tuple(sorted((str(k), repr(v)) for k, v in budgets.items())), fastest_s)
             if key not in cuts:
                 cuts[key] = solve(budgets, fastest_s)
+                elapsed = time.perf_counter() - t0
+                if elapsed > _PROGRESS_S:
+                    plan = cuts[key][2]
+                    log.info("remat_fx: planning a graph of %d nodes, %.1f s so far: plan %d, memory_budget %s, "
+                             "saves %s, estimated peak %s", len(joint_gm.graph.nodes), elapsed, len(cuts),
+                             ", ".join(str(v) for v in budgets.values()) or "none",
+                             fmt_bytes(plan.total_bytes), fmt_bytes(plan.peak.step))
             return cuts[key]
 
         def solve(budgets, fastest_s):
@@ -98,6 +111,17 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
                 _write_tags(joint_gm, tags)
                 return (*finish(fw0, bw0, copy.copy(plan0), _peak_budgeted(options), fastest_s), tags)
             new_tags, report = apply_budget(joint, tags, plan0, budgets, params, cost, options)
+            # the solver often gives several targets the same tags (the peak searches' targets
+            # between two plans' saved bytes): the same tags make the same partition and reruns
+            same = (frozenset((n.name, t.policy) for n, t in new_tags.items()), fastest_s,
+                    report.solver == "none", report.target <= report.minimum)
+            if same in by_tags:
+                fw, bw, done, recompute_s = by_tags[same]
+                plan = copy.copy(done)
+                report.achieved, report.estimated_cost_s = plan.total_bytes, recompute_s
+                _check_achieved(report, plan, joint, params)
+                plan.budget = report
+                return fw, bw, plan, new_tags
             if report.solver == "none":
                 _write_tags(joint_gm, tags)
                 fw, bw, plan = fw0, bw0, copy.copy(plan0)  # its own report, the shared plan untouched
@@ -108,7 +132,9 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
             report.estimated_cost_s = plan.recompute_cost_s
             _check_achieved(report, plan, joint, params)
             plan.budget = report
-            return (*finish(fw, bw, plan, True, fastest_s), new_tags)
+            fw, bw, plan = finish(fw, bw, plan, True, fastest_s)
+            by_tags[same] = (fw, bw, plan, report.estimated_cost_s)
+            return fw, bw, plan, new_tags
 
         if not _peak_budgeted(options):
             chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
