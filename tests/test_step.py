@@ -74,9 +74,12 @@ def _grads(model):
 
 
 def _measure(step, steps=3):
+    """The step's measured peak: the lower of two measurements. A one-off allocation during one of
+    them (seen after the whole suite on torch 2.14.1: +7% on one of three plans, never alone) only
+    ever raises a measurement; a plan that holds more raises both."""
     for _ in range(steps):
         step()
-    return step_peak_bytes(step)
+    return min(step_peak_bytes(step), step_peak_bytes(step))
 
 
 def test_step_peak_adds_what_earlier_calls_hold():
