@@ -184,8 +184,10 @@ def test_whole_step_peak_fractions_are_monotone():
         peaks.append(_measure(step))
         estimates.append(remat.step_report().peak.peak)
     assert estimates == sorted(estimates, reverse=True), estimates
-    # measured: non-increasing up to the profiler timeline's run-to-run spread (< 1%: a few KiB here)
-    assert all(b <= a * 1.01 for a, b in zip(peaks, peaks[1:])), peaks
+    # measured: non-increasing up to the profiler timeline's run-to-run spread: 1%, or one 64 KiB
+    # block (after the whole suite a plan with the lower estimate once measured exactly 65,536 bytes
+    # over the one above it, 1.05% of this small step)
+    assert all(b <= max(a * 1.01, a + 65536) for a, b in zip(peaks, peaks[1:])), peaks
     assert peaks[-1] < 0.7 * peaks[0], peaks
 
 
