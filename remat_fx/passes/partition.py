@@ -73,9 +73,9 @@ def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions
     def finish(fw, bw, plan, budgeted, fastest_s):
         if options.schedule:
             plan.moved_just_in_time = schedule_recompute(bw, set(plan.recomputed_fx))
-        plan.step_cost_s = sum(cost(n) for g in (fw, bw) for n in g.graph.nodes if n.op == "call_function")
+        forward_s = sum(cost(n) for n in fw.graph.nodes if n.op == "call_function")
+        plan.step_cost_s = forward_s + sum(cost(n) for n in bw.graph.nodes if n.op == "call_function")
         if options.rerun is True or (options.rerun == "auto" and budgeted):
-            forward_s = sum(cost(n) for n in fw.graph.nodes if n.op == "call_function")
             bw = _rerun(fw, bw, plan, num_fwd_outputs, cost, options.peak_budget,
                         _rerun_allowance(plan, fastest_s, options, forward_s))
         plan.peak = estimate_peak(fw, bw, num_fwd_outputs, inline=options.lower == "inductor")
