@@ -14,7 +14,7 @@ from torch._dynamo.exc import ShortenTraceback
 from remat_fx import config
 from remat_fx.memory_budget import Budget, parse_budget
 from remat_fx.naming import NameGlobs
-from remat_fx.passes.cost import COST_MODELS, Roofline, parse_roofline
+from remat_fx.roofline import COST_MODELS, Roofline, parse_roofline
 
 LOWERINGS = ("inductor", "eager")
 SOLVERS = ("ilp", "greedy")

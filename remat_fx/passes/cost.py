@@ -16,49 +16,13 @@ import operator
 import statistics
 import time
 import weakref
-from dataclasses import dataclass, fields
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable
 
 import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-COST_MODELS = ("auto", "roofline", "flops", "profile")
-
-
-@dataclass(frozen=True)
-class Roofline:
-    flops_per_s: float
-    bytes_per_s: float
-    op_overhead_s: float
-
-
-# defaults: a few-core CPU with AVX2 fp32, and a datacenter GPU (bf16 tensor cores)
-CPU = Roofline(flops_per_s=5e10, bytes_per_s=1e10, op_overhead_s=5e-6)
-CUDA = Roofline(flops_per_s=4e14, bytes_per_s=2.5e12, op_overhead_s=5e-6)
-
-
-def parse_roofline(value) -> Optional[Roofline]:
-    if value is None or isinstance(value, Roofline):
-        return value
-    names = [f.name for f in fields(Roofline)]
-    if not isinstance(value, dict) or set(value) - set(names):
-        raise ValueError(f"backend 'remat': option 'roofline' must be a dict with keys from {names}, "
-                         f"got {value!r}")
-    for k, v in value.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (k != "op_overhead_s" and v == 0):
-            raise ValueError(f"backend 'remat': option 'roofline': {k} must be a positive number, got {v!r}")
-    return value  # completed with the device's defaults once the device is known
-
-
-def device_roofline(device: torch.device, override=None) -> Roofline:
-    base = CUDA if device.type == "cuda" else CPU
-    if override is None:
-        return base
-    if isinstance(override, Roofline):
-        return override
-    return Roofline(**{**base.__dict__, **{k: float(v) for k, v in override.items()}})
-
+from remat_fx.roofline import device_roofline
 
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "any", "all",
                "argmax", "argmin", "logsumexp"}
