@@ -8,8 +8,9 @@ from remat_fx import config
 from remat_fx.annotate import annotate
 from remat_fx.backend import backend, compile
 from remat_fx.measured_fit import FitResult, fit
-from remat_fx.options import OptionError
+from remat_fx.options import OptionError, RematError
 from remat_fx.pareto import ParetoPoint, pareto
+from remat_fx.passes.budget import BudgetInfeasible
 from remat_fx.passes.peak import PeakInfeasible
 from remat_fx.passes.plan import BudgetReport, Plan, SavedActivation, last_plan
 from remat_fx.policy import CheckpointPolicy
@@ -22,10 +23,12 @@ from remat_fx.runtime.report import MemoryReport, SavedEntry, memory_report
 from remat_fx.step import StepReport, step_report
 
 __all__ = [
+    "BudgetInfeasible",
     "BudgetReport",
     "FitResult",
     "OptionError",
     "PeakInfeasible",
+    "RematError",
     "StepReport",
     "fit",
     "step_report",

@@ -75,14 +75,23 @@ class BackendOptions:
                 self.cost_model, self.roofline, self.solver, self.solver_time_limit)
 
 
-class OptionError(ShortenTraceback, ValueError):
-    """A bad ``remat`` option or ``remat_fx.config`` setting. A ValueError; also one of Dynamo's
-    ShortenTraceback errors, which Dynamo re-raises as they are: under a plain
-    ``torch.compile(..., backend="remat")`` the user reads this message first, not Dynamo's
-    ``BackendCompilerFailed`` wrapper around it."""
+class RematError(ShortenTraceback, ValueError):
+    """What the user asked of remat cannot be done as asked: a bad option (OptionError) or a limit
+    no plan meets (BudgetInfeasible, PeakInfeasible). A ValueError; also one of Dynamo's
+    ShortenTraceback errors (the one private torch class this module uses, checked on torch 2.13
+    and 2.14), which Dynamo re-raises as they are: under a plain ``torch.compile(...,
+    backend="remat")`` the user reads remat's message first, not Dynamo's ``BackendCompilerFailed``
+    wrapper around it."""
 
     def __init__(self, message: str):
         ShortenTraceback.__init__(self, message, first_useful_frame=None)
+
+    def __reduce__(self):  # picklable (a distributed rank sends it to the others): message only
+        return type(self), (str(self),)
+
+
+class OptionError(RematError):
+    """A bad ``remat`` option or ``remat_fx.config`` setting."""
 
 
 OPTIONS = tuple(_DOC)

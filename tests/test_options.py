@@ -61,6 +61,20 @@ def test_plain_torch_compile_shows_remats_message_first():
     assert "BackendCompilerFailed" not in str(info.value)
 
 
+def test_a_budget_no_plan_meets_reaches_the_user_as_remats_error():
+    """BudgetInfeasible (like PeakInfeasible, tests/test_plan_view.py) is a remat.RematError, which
+    Dynamo re-raises as it is: the user catches remat's class and reads remat's text first."""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+    f = torch.compile(model, backend="remat", options={"lower": "eager", "memory_budget": "1B"})
+    with pytest.raises(remat.BudgetInfeasible) as info:
+        f(torch.randn(4, 8)).sum().backward()
+    assert isinstance(info.value, remat.RematError) and isinstance(info.value, ValueError)
+    assert str(info.value).startswith("remat_fx: memory_budget=1 B asks for at most 1 B"), str(info.value)
+    assert "Raise the budget to at least 128 bytes" in str(info.value)
+    assert "BackendCompilerFailed" not in str(info.value)
+
+
 def test_config_checks_each_assignment():
     old = remat.config.memory_budget
     with pytest.raises(remat.OptionError, match=r"^remat_fx.config.memory_budget takes a fraction in \[0, 1\] .*; "

@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from remat_fx.memory_budget import Budget, fmt_bytes, parse_budget
 from remat_fx.naming import META_BUDGET, META_BUDGET_REGION
+from remat_fx.options import RematError
 from remat_fx.passes.capture import JointGraph, is_multi_output, storage_base
 from remat_fx.passes.cost import concrete
 
@@ -73,8 +74,8 @@ _REST = "<outside budgeted regions>"
 _INFEASIBLE = "infeasible"  # what _milp returns when HiGHS proves there is no plan
 
 
-class BudgetInfeasible(ValueError):
-    pass
+class BudgetInfeasible(RematError):
+    """No plan meets the memory budget (or the budgets of several regions together)."""
 
 
 # -- solving ------------------------------------------------------------------

@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from remat_fx.memory_budget import Budget, fmt_bytes
+from remat_fx.options import RematError
 from remat_fx.passes.capture import storage_base
 from remat_fx.passes.cost import concrete, fusible
 
@@ -306,8 +307,8 @@ def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inlin
     return PeakEstimate(forward=fw_peak, backward=held + bw_peak, saved=saved, held=held)
 
 
-class PeakInfeasible(ValueError):
-    pass
+class PeakInfeasible(RematError):
+    """No plan meets the peak budget (estimated, or measured by remat.fit)."""
 
 
 _GRID = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05, 0.0)
