@@ -3,8 +3,16 @@
 Built on PyTorch's non-reentrant checkpoint (saved-tensor hooks, RNG and
 autocast replay, nesting). On top of it a region gets a named :class:`Tape`, and
 its recompute starts as soon as the region's backward begins: a tiny trigger
-node saved last inside the region is unpacked by a gradient hook on the
-region's outputs, which makes PyTorch recompute the whole region at once.
+node saved last inside the region is unpacked by a pre-hook on the autograd
+nodes of the region's outputs, which makes PyTorch recompute the whole region
+at once.
+
+Node pre-hooks run after every tensor hook on the same node's outputs. That is
+what lets the recompute follow FSDP2: ``fully_shard`` all-gathers a module's
+parameters in backward from a tensor hook on the module's outputs, which are the
+region's outputs when the region is the module's whole forward (torchtitan's
+recipe: checkpoint, then ``fully_shard``). A tensor hook of ours registered
+before FSDP's would recompute with the parameters still sharded (DTensors).
 """
 from __future__ import annotations
 
@@ -18,8 +26,8 @@ from remat_fx.naming import META_REGION, META_REGION_GLOBS, NameGlobs, callable_
 from remat_fx.policy import CheckpointPolicy
 from remat_fx.runtime.handle import RematHandle
 from remat_fx.runtime.offload import resolve_offloader
-from remat_fx.runtime.torch_compat import (fire_recompute_trigger, inside_compiled_frame, new_recompute_trigger,
-                                           tree_flatten, tree_leaves, tree_unflatten)
+from remat_fx.runtime.torch_compat import (current_graph_task, fire_recompute_trigger, inside_compiled_frame,
+                                           new_recompute_trigger, tree_flatten, tree_leaves, tree_unflatten)
 from remat_fx.runtime.tape import _ACTIVE, FORWARD, Tape, active_tape
 
 _OPTIONS = {
@@ -120,9 +128,15 @@ class Checkpointed:
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
                 and id(t) not in inputs]
         if outs and trigger is not None:
-            torch.autograd.graph.register_multi_grad_hook(outs, _StartRecompute(tape, trigger), mode="any")
-            for node in {t.grad_fn for t in outs if t.grad_fn is not None}:
+            start = _StartRecompute(tape, trigger)
+            nodes = list({id(t.grad_fn): t.grad_fn for t in outs if t.grad_fn is not None}.values())
+            for node in nodes:
+                # after every tensor hook on this node's outputs (FSDP's all-gather among them)
+                node.register_prehook(start.on_node)
                 node.metadata.setdefault(TAPE_KEY, []).append(tape)
+            for t in outs:
+                if t.grad_fn is None:  # a leaf the region returned (no node to hook)
+                    t.register_hook(start)
         return out
 
 
@@ -197,16 +211,24 @@ class _RegionBody:
 
 
 class _StartRecompute:
-    """Gradient hook on a region's outputs: recompute the region when its backward begins."""
+    """Pre-hook on the nodes of a region's outputs: recompute the region when its backward
+    begins, once per backward (the first of its output nodes to run)."""
 
-    __slots__ = ("tape", "trigger")
+    __slots__ = ("tape", "trigger", "task")
 
     def __init__(self, tape, trigger):
-        self.tape, self.trigger = tape, trigger
+        self.tape, self.trigger, self.task = tape, trigger, None
+
+    def on_node(self, grad_outputs):
+        self(None)
 
     def __call__(self, grad):
         if self.trigger is None:
             return
+        task = current_graph_task()  # -1 where torch cannot tell: then the first backward only
+        if task == self.task:
+            return  # another output node of the region, in the same backward
+        self.task = task
         self.tape.prefetch()
         fire_recompute_trigger(self.trigger)  # PyTorch's checkpoint recomputes the region now
         if not self.tape.keep_graph:

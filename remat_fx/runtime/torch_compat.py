@@ -48,6 +48,11 @@ and what differs across versions:
   ``torch._C._current_graph_task_id`` and ``torch._C._autograd._get_current_graph_task_keep_graph``
   (in torch since 2.5). No public equivalent. Without them the tape assumes
   ``retain_graph=True``: saved tensors live until the graph is freed, gradients the same.
+  The graph-task id also tells a region's recompute pre-hooks, one per output node, that
+  another output node already started the recompute in this backward
+  (:func:`current_graph_task`; PyTorch's ``register_multi_grad_hook(mode="any")`` reads the
+  same id). Without it a region starts its recompute early in the first backward only; a
+  second backward through a retained graph recomputes lazily, at the first unpack.
 * **Running inside a compiled frame's eager fallback** (:func:`inside_compiled_frame`):
   ``torch._C._dynamo.eval_frame.get_eval_frame_callback``. Only decides whether to warn.
 * **Tensor internals**: ``Tensor._version`` (in-place checks), ``Tensor._base`` (views of
@@ -132,6 +137,11 @@ def backward_keeps_graph() -> bool:
     if _graph_task_id() == -1:
         return True
     return bool(_graph_task_keep_graph())
+
+
+def current_graph_task() -> int:
+    """An id of the backward running now; -1 outside one, or where torch cannot tell."""
+    return -1 if _graph_task_id is None else _graph_task_id()
 
 
 try:
