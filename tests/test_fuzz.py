@@ -1,0 +1,89 @@
+"""Generated cases (remat_fx.fuzz): a fixed-seed sample passes the oracle, the oracle can fail,
+and a failure shrinks to a small runnable program. The 1,000-case run: docs/fuzz.md."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from remat_fx.fuzz.oracle import Result, check, check_source, classify_error, compare
+from remat_fx.fuzz.program import Block, Op, generate, render
+from remat_fx.fuzz.shrink import shrink
+
+SAMPLE = range(1000, 1050)  # seeds of the CI sample (about half eager, half compiled; no Inductor)
+
+
+def test_a_seed_names_one_program_whose_two_forwards_agree_without_remat():
+    a, b = generate(1003), generate(1003)
+    assert render(a) == render(b) and render(a) != render(generate(1004))
+    source = render(a, main=True)
+    assert "def forward" in source and "def reference" in source and "check_source" in source
+    reference = source[source.index("def reference"):]
+    assert "remat." not in reference.split("\ndef inputs")[0]  # the reference has no checkpointing at all
+
+
+@pytest.mark.parametrize("seed", SAMPLE)
+def test_generated_case_passes_the_oracle(seed):
+    program = generate(seed, inductor_share=0.0)
+    result = check(program)
+    assert result.ok, f"{result}\n{render(program)}"
+
+
+def _eager_program_with(kind: str):
+    for seed in range(2000, 2400):
+        p = generate(seed, mode="eager")
+        if len(p.ops()) >= 6 and any(o.kind == kind for o in p.ops()) and p.blocks():
+            return p
+    raise AssertionError(f"no eager program with {kind}")
+
+
+def test_a_wrong_gradient_is_a_failure_and_shrinks_to_the_op_that_causes_it():
+    program = _eager_program_with("tanh")
+
+    def corrupt(loss, grads):  # one gradient off by one ulp-ish amount: the eager oracle is bitwise
+        name = next(n for n, g in grads.items() if g is not None)
+        grads = dict(grads, **{name: grads[name] + 1e-6})
+        return loss, grads
+
+    def broken(p):  # a "runtime" that is wrong exactly when the program has a tanh
+        return check(p, corrupt=corrupt if any(o.kind == "tanh" for o in p.ops()) else None)
+
+    assert check(program).ok
+    failure = broken(program)
+    assert failure.kind == "wrong_grad" and "max abs diff" in failure.detail
+    small, result, checks = shrink(program, failure, check_fn=broken, max_seconds=60)
+    assert result.kind == "wrong_grad"
+    assert [o.kind for o in small.ops()] == ["tanh"], render(small)
+    assert not small.blocks() and checks > 1
+    script = render(small, main=True)  # the shrunk case is a runnable script that reproduces it
+    assert check_source(script, corrupt=corrupt).kind == "wrong_grad"
+
+
+def test_the_oracle_compares_bitwise_in_eager_mode_and_by_tolerance_in_compiler_mode():
+    a = torch.ones(3)
+    b = a + 1e-7
+    assert compare((a.sum(), {"g": a}), (a.sum(), {"g": a}), exact=True) is None
+    assert compare((a.sum(), {"g": b}), (a.sum(), {"g": a}), exact=True)[0] == "wrong_grad"
+    assert compare((a.sum(), {"g": b}), (a.sum(), {"g": a}), exact=False, tol=1e-5) is None
+    assert compare((a.sum() + 1, {"g": a}), (a.sum(), {"g": a}), exact=False, tol=1e-5)[0] == "wrong_loss"
+
+
+def test_only_remats_documented_answers_to_the_options_drawn_are_expected_errors():
+    from remat_fx.passes.budget import BudgetInfeasible
+    from remat_fx.passes.peak import PeakInfeasible
+
+    infeasible = BudgetInfeasible("remat_fx: memory_budget=4096 is below the feasible minimum 8,192 bytes")
+    assert classify_error(infeasible, {"memory_budget": 4096}).kind == "expected_error"
+    assert classify_error(infeasible, {"memory_budget": 0.5}).kind == "remat_error"  # a fraction is always feasible
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    cause = PeakInfeasible("remat_fx: peak_budget 1 KiB is below every estimated step peak found")
+    wrapped = BackendCompilerFailed(lambda gm, inputs: gm, cause, None)
+    wrapped.__cause__ = cause
+    assert classify_error(wrapped, {"peak_budget": 1024}).kind == "expected_error"
+    assert classify_error(IndexError("list index out of range"), {}).kind == "internal_error"
+
+
+def test_import_remat_fx_does_not_import_the_fuzzer():
+    code = "import sys, remat_fx; assert not any(m.startswith('remat_fx.fuzz') for m in sys.modules); print('ok')"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "ok"
