@@ -33,6 +33,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 
 from remat_fx.memory_budget import Budget, fmt_bytes
 from remat_fx.options import BackendOptions
@@ -222,7 +223,10 @@ class CompiledGraph:
         return call_cost(self.plan, self.grads)
 
     def __call__(self, *args):
-        training = self.plan is not None and torch.is_grad_enabled()
+        # not a call of the step when run on fake tensors: DDPOptimizer runs each compiled
+        # submodule once while compiling, to propagate shapes to the next one
+        training = (self.plan is not None and torch.is_grad_enabled()
+                    and not any(isinstance(a, FakeTensor) for a in args))
         if training:
             STEP.enter(self)
         out = self.fn(*args)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
                                 reason="torch built without torch.distributed/gloo")
 
 D, T, B = 128, 8, 4  # width (DDP's buckets are >= 1 MiB: two or more per model), tokens, batch per rank
-BUDGETS = {"none": {}, "0.3": {"memory_budget": 0.3}, "0": {"memory_budget": 0}, "save glob": {"save": ["*up.addmm"]}}
+BUDGETS = {"none": {}, "0.3": {"memory_budget": 0.3}, "0": {"memory_budget": 0}, "save glob": {"save": ["*up.addmm"], "memory_budget": 0}}
 
 
 class Block(nn.Module):
@@ -188,3 +188,128 @@ def test_eager_runtime_under_fsdp2_and_ddp():
                 continue
             assert err < 1e-5, f"rank {rank}, {case}: gradients off by {err:.2e} (relative)"
             assert held == held_local > 0, f"rank {rank}, {case}: tapes hold {held} bytes, {held_local} in one process"
+
+
+# -- compiler mode -------------------------------------------------------------------------------
+
+def _plans(report) -> list:
+    """(saved bytes, budget target or None, estimated peak, names saved) of each call of the step."""
+    return [(plan.total_bytes, None if plan.budget is None else plan.budget.target, plan.peak.step,
+             sorted({s.name for s in plan.saved if s.bytes})) for _, plan, _ in report.calls]
+
+
+class SavedAcrossBoundary:
+    """What the forwards save for backward (saved-tensor hooks around the forward) and, once the
+    forward is over, which of those still hold memory."""
+
+    def __init__(self):
+        self.packed = []
+
+    def __enter__(self):
+        def pack(t):
+            self.packed.append(t)
+            return t
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    def live(self):
+        """(activation bytes, parameter bytes) still held, per storage."""
+        seen, acts, params = set(), 0, 0
+        for t in self.packed:
+            s = t.untyped_storage()
+            if s.data_ptr() in seen or s.nbytes() == 0:
+                continue
+            seen.add(s.data_ptr())
+            if isinstance(t, nn.Parameter):
+                params += s.nbytes()
+            else:
+                acts += s.nbytes()
+        return acts, params
+
+
+def _compiled_step(model, x, seed=None):
+    """One step; what the step's forwards leave saved for backward, measured."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    with SavedAcrossBoundary() as saved:
+        out = model(x)
+    held = saved.live()
+    loss_of(out).backward()
+    return held
+
+
+def _compiled_worker(rank, engine):
+    want = reference_grads()
+    x = batch(rank)
+    lower = {"lower": "eager"}
+    wrap = shard if engine == "fsdp" else ddp
+    cases = [(label, False) for label in BUDGETS]
+    if engine == "fsdp":  # the whole model compiled: a graph break at every fully_shard module
+        cases.append(("0.3", True))
+    results = {}
+    for label, whole in cases:
+        torch._dynamo.reset()
+        net = Net()
+        options = dict(lower, **BUDGETS[label])
+        model = shard(net, options, whole=True) if whole else wrap(net, options)
+        held = _compiled_step(model, x)
+        report = remat.step_report()
+        results[f"whole model, {label}" if whole else label] = dict(
+            err=grad_error(full_grads(model), want), plans=_plans(report), graphs=len(report.graphs),
+            step_saved=report.saved_bytes, peak=report.peak.peak, held=held)
+    # dropout, per-rank seeds: budget 0 gives the gradients of the run without a budget
+    grads = {}
+    for label in ("none", "0"):
+        torch._dynamo.reset()
+        model = wrap(Net(p=0.25), dict(lower, **BUDGETS[label]))
+        _compiled_step(model, x, seed=7 + rank)
+        grads[label] = full_grads(model)
+    results["dropout"] = max((grads["0"][k] - grads["none"][k]).abs().max().item() for k in want)
+    # a budget no plan meets: an error on every rank, no hang
+    torch._dynamo.reset()
+    try:
+        _compiled_step(wrap(Net(), dict(lower, memory_budget="16B")), x)
+        results["infeasible"] = None
+    except remat.BudgetInfeasible as e:
+        results["infeasible"] = str(e)
+    return results
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_compiled_under_ddp_and_fsdp2(engine):
+    """backend="remat" under DDP (DDPOptimizer splits the model into graphs at its gradient
+    buckets) and FSDP2 (fully_shard per block; compiled per block, or the whole model): per rank,
+    gradients match one process on the whole batch at every budget; every graph of the step is
+    reported and within its budget; what the forwards leave saved for backward, measured with
+    saved-tensor hooks, is what the plans say, and never an unsharded FSDP parameter; dropout
+    with per-rank seeds does not change under a budget; an infeasible budget raises
+    BudgetInfeasible on both ranks."""
+    per_rank = run_ranks(_compiled_worker, engine, timeout=150)
+    for rank, results in enumerate(per_rank):
+        where = f"{engine}, rank {rank}"
+        for label, r in results.items():
+            if not isinstance(r, dict):
+                continue
+            assert r["err"] < 1e-5, f"{where}, budget {label}: gradients off by {r['err']:.2e} (relative)"
+            plans = r["plans"]
+            # DDP: one call per graph (DDPOptimizer's split); FSDP: one call per block, one graph reused
+            assert len(plans) == (r["graphs"] if engine == "ddp" else 3), f"{where}: {plans}"
+            assert r["graphs"] >= (2 if engine == "ddp" else 1), f"{where}: {r['graphs']} graphs"
+            for saved, target, _, _ in plans:
+                assert target is None or saved <= target, f"{where}, budget {label}: saved {saved} > {target}"
+            acts, params = r["held"]
+            assert acts == sum(p[0] for p in plans), f"{where}, budget {label}: measured {acts}, plans {plans}"
+            if engine != "ddp":
+                assert params == 0, f"{where}, budget {label}: unsharded parameters kept for backward: {params} B"
+        saved = {label: results[label]["step_saved"] for label in BUDGETS}
+        assert saved["0"] < saved["0.3"] < saved["none"], f"{where}: {saved}"
+        assert saved["0"] < saved["save glob"], f"{where}: {saved}"
+        names = [n for p in results["save glob"]["plans"] for n in p[3]]
+        assert any(n.endswith("up.addmm") for n in names), f"{where}: save glob: saved {names}"
+        assert results["dropout"] == 0, f"{where}: dropout gradients differ under budget 0"
+        assert results["infeasible"] is not None and "16 B" in results["infeasible"], where
