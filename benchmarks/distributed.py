@@ -1,0 +1,157 @@
+"""FSDP2 + PyTorch's activation_memory_budget against FSDP2 + backend="remat", per rank.
+
+    torchrun --nproc_per_node 2 benchmarks/distributed.py [--budgets 1,0.5,0.3,0] [--steps 10]
+             [--layers 4] [--d-model 128] [--seq 64] [--batch 4]
+
+The example GPT (examples/gpt.py, no annotations: the budget decides), every block
+``fully_shard``-ed and compiled, the root ``fully_shard``-ed; 2 ranks, gloo on CPU. Both systems
+use the eager FX lowering (the partitioned graphs run op by op, Inductor's decompositions):
+
+* torch: AOTAutograd with PyTorch's min-cut partitioner and
+  ``torch._functorch.config.activation_memory_budget = b``;
+* remat: ``backend="remat"``, ``memory_budget = b`` (1: no budget).
+
+Per rank and variant: the measured step peak (the CPU profiler's allocation events over one
+warmed-up forward+backward (and zero_grad), highest running total above the start; the lowest
+of 3 measurements: FSDP's all-gather buffers are allocated on gloo's threads, and where they fall
+against the compute moves a measurement by up to one buffer) and the median step time over ``--steps`` steps run right after
+the variant's compile (not interleaved with the other variants: a Dynamo reset between variants
+would recompile them; noisy on a shared CPU). Writes a markdown table to stdout (rank 0) and
+benchmarks/out/distributed.md.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.distributed.fsdp import fully_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import remat_fx  # noqa: E402,F401 (backend="remat")
+from examples.gpt import GPTConfig, make_model, random_batch  # noqa: E402
+from remat_fx.passes.capture import decompositions  # noqa: E402
+
+
+def _eager_fn(gm, _inputs):
+    return make_boxed_func(gm.forward)
+
+
+def step_peak_bytes(step) -> int:
+    """Highest point of the CPU allocations one call of ``step()`` makes, above its start: the
+    running sum of the profiler's allocation events (+bytes allocated, -bytes freed), in time
+    order. remat_fx.measure's memory timeline fails here at times (its data-flow analysis
+    asserts on tensor versions that FSDP's collectives change), so the raw events are summed."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    allocs, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
+            allocs.append((e.start_time_ns, e.typed[1].alloc_size))
+    level = peak = 0
+    for _, size in sorted(allocs):
+        level += size
+        peak = max(peak, level)
+    return peak
+
+
+def torch_backend():
+    return aot_autograd(fw_compiler=_eager_fn, bw_compiler=_eager_fn, decompositions=decompositions(),
+                        partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
+
+
+def build(system: str, budget: float, cfg: GPTConfig):
+    model = make_model(cfg, "none", "recompute_all")
+    for block in model.blocks:
+        fully_shard(block)
+        if system == "torch":
+            block.compile(backend=torch_backend())
+        else:
+            options = {"lower": "eager"} if budget >= 1 else {"lower": "eager", "memory_budget": budget}
+            block.compile(backend="remat", options=options)
+    fully_shard(model)
+    return model
+
+
+def scope(system: str, budget: float):
+    patch = {"enable_autograd_cache": False}
+    if system == "torch":
+        patch["activation_memory_budget"] = float(budget)
+    return torch._functorch.config.patch(**patch)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budgets", default="1,0.5,0.3,0")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4)
+    args = p.parse_args(argv)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(vocab=512, seq=args.seq, d_model=args.d_model, n_head=4, n_layer=args.layers)
+    idx, targets = random_batch(cfg, args.batch, seed=rank)
+    budgets = [float(b) for b in args.budgets.split(",")]
+    variants = [(system, b) for b in budgets for system in ("torch", "remat")]
+
+    peaks, times = {}, {}
+    for system, b in variants:
+        torch._dynamo.reset()  # each variant compiles its own graphs (a reset drops every earlier one)
+        model = build(system, b, cfg)
+
+        def step(model=model):
+            model(idx, targets).backward()
+            model.zero_grad(set_to_none=True)
+
+        with scope(system, b):
+            step()  # compiles
+            step()
+            peaks[system, b] = min(step_peak_bytes(step) for _ in range(3))  # see the module's docstring
+            times[system, b] = []
+            for _ in range(args.steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                times[system, b].append(time.perf_counter() - t0)
+        dist.barrier()
+    mine = {v: (peaks[v], statistics.median(times[v])) for v in variants}
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        lines = [f"FSDP2, {world} ranks (gloo, CPU, {torch.get_num_threads()} thread(s) each), GPT {args.layers} "
+                 f"layers, d_model {args.d_model}, seq {args.seq}, batch {args.batch} per rank, eager lowering; "
+                 f"torch {torch.__version__}; median of {args.steps} steps per variant", "",
+                 "| budget | " + " | ".join(f"rank {r} peak torch | rank {r} peak remat" for r in range(world))
+                 + " | time torch (rank 0) | time remat (rank 0) | remat / torch time |",
+                 "|---" * (1 + 2 * world + 3) + "|"]
+        for b in budgets:
+            cells = []
+            for r in range(world):
+                cells += [f"{every[r]['torch', b][0] / 2**20:.2f} MiB", f"{every[r]['remat', b][0] / 2**20:.2f} MiB"]
+            tt, tr = every[0]["torch", b][1], every[0]["remat", b][1]
+            lines.append(f"| {b:g} | " + " | ".join(cells) + f" | {tt * 1e3:.1f} ms | {tr * 1e3:.1f} ms | {tr / tt:.2f} |")
+        text = "\n".join(lines)
+        print(text, flush=True)
+        out = ROOT / "benchmarks" / "out"
+        out.mkdir(exist_ok=True)
+        (out / "distributed.md").write_text(text + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
