@@ -349,6 +349,8 @@ def build_problem(joint: JointGraph, tags, params: Set[str], cost_model) -> Tupl
         if base == name:
             continue
         if name not in problem.can_recompute and name in problem.needed:
+            if base not in problem.can_save:  # a base that cannot be saved either (MUST_RECOMPUTE): the
+                continue                      # saved view keeps its storage, as the min-cut's plan does
             problem.can_recompute.add(name)
             problem.can_recompute.discard(base)
         elif name in problem.can_save:
