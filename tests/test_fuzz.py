@@ -10,7 +10,7 @@ from remat_fx.fuzz.oracle import Result, check, check_source, classify_error, co
 from remat_fx.fuzz.program import Block, Op, generate, render
 from remat_fx.fuzz.shrink import shrink
 
-SAMPLE = range(1000, 1050)  # seeds of the CI sample (about half eager, half compiled; no Inductor)
+SAMPLE = range(1000, 1040)  # seeds of the CI sample (about half eager, half compiled; no Inductor)
 
 
 def test_a_seed_names_one_program_whose_two_forwards_agree_without_remat():

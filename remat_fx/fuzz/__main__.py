@@ -15,32 +15,7 @@ import os
 import sys
 import time
 
-
-def _run_one(job):
-    seed, args = job
-    import torch
-
-    torch.set_num_threads(args.threads)
-    from remat_fx.fuzz.oracle import check
-    from remat_fx.fuzz.program import generate, render
-    from remat_fx.fuzz.shrink import shrink
-
-    if args.against == "pytorch":
-        from remat_fx.fuzz.pytorch import check_pytorch, generate_for_pytorch
-
-        program = generate_for_pytorch(seed)
-        result = check_pytorch(program, backend=args.pytorch_backend)
-        return seed, result, None, None, program.summary()
-    program = generate(seed, mode=args.mode, inductor_share=args.inductor_share)
-    result = check(program)
-    original = shrunk = None
-    if not result.ok:
-        original = render(program, main=True)
-        if args.shrink:
-            small, small_result, _ = shrink(program, result, max_seconds=args.shrink_seconds)
-            shrunk = render(small, main=True)
-            result.detail += f" [shrunk to {len(small.ops())} ops: {small_result.detail}]"
-    return seed, result, original, shrunk, program.summary()
+from remat_fx.fuzz.worker import run_one
 
 
 def main(argv=None) -> int:
@@ -90,11 +65,11 @@ def main(argv=None) -> int:
     if args.jobs > 1:
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(args.jobs, maxtasksperchild=20) as pool:
-            for out in pool.imap_unordered(_run_one, jobs):
+            for out in pool.imap_unordered(run_one, jobs):
                 report(*out)
     else:
         for job in jobs:
-            report(*_run_one(job))
+            report(*run_one(job))
     elapsed = time.perf_counter() - t0
     failed = sum(n for k, n in counts.items() if k not in ("pass", "expected_error"))
     print()

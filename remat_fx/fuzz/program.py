@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import random
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Union
@@ -283,9 +284,17 @@ def _region_options(rng: random.Random, program: Program, block: Block) -> Dict:
     options: Dict = {}
     names = [o.wrap[1] for o, _ in walk(block.body) if isinstance(o, Op) and o.wrap]
     names += [b.name for b, _ in walk(block.body) if isinstance(b, Block) and b.kind == "annotate"]
+    # a save/offload glob must not make an autograd Function SAVE (its output is a placeholder for
+    # the bare ops after it) nor a block read by a SAVE annotate block: it selects native ops only
+    functions = [o.wrap[1] for o, _ in walk(block.body) if isinstance(o, Op) and o.wrap and o.wrap[0] == "fn"]
+    save_block = any(isinstance(b, Block) and b.kind == "annotate" and b.options.get("policy") in ("SAVE", "OFFLOAD")
+                     for b, _ in walk(block.body))
     for key in ("save", "offload", "recompute"):
         if names and rng.random() < 0.15:
-            options[key] = [rng.choice(names + ["op*", "*1", "nothing_matches"])]
+            glob = rng.choice(names + ["op*", "*1", "nothing_matches"])
+            if key != "recompute" and (save_block or any(fnmatch.fnmatchcase(n, glob) for n in functions)):
+                continue
+            options[key] = [glob]
     random_inside = any(isinstance(o, Op) and o.random for o, _ in walk(block.body))
     if not random_inside and rng.random() < 0.15:
         options["preserve_rng_state"] = False
@@ -507,6 +516,9 @@ def _body_lines(p: Program, body, plain: bool, indent: str) -> List[str]:
             defined = set(_defined(s.body))
             free = sorted({i for i in _read(s.body) if i not in defined})
             outs = sorted(defined)
+            if not outs:  # nothing left in it (a shrunk case): its graph breaks only
+                lines += _body_lines(p, s.body, plain, indent)
+                continue
             fn = f"_{s.name}"
             lines.append(f"{indent}def {fn}({', '.join(f'v{i}' for i in free)}):")
             lines += _body_lines(p, s.body, plain, indent + "    ")
