@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import logging
 import operator
 import time
@@ -54,6 +55,26 @@ def capture_joints():
 
 def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions, num_fwd_outputs: int,
               static_lifetime_input_indices=None, **kwargs):
+    with _no_gc():
+        return _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime_input_indices, kwargs)
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """Python's cyclic collector off while planning: the plan search makes millions of short-lived
+    objects (the rerun search's programs, min-cut graphs) inside a compile that holds a large heap,
+    and each full collection walks all of it (measured: a rerun search 1.2-1.7 s with it on, 1.0 s
+    off, on an 8-layer Llama's backward). Cycles made meanwhile are collected after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime_input_indices, kwargs):
     t0 = time.perf_counter()
     for sink in _SINKS:
         sink.append((joint_gm, joint_inputs, dict(kwargs, num_fwd_outputs=num_fwd_outputs,

@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from remat_fx.passes.capture import is_random
 from remat_fx.passes.cost import flops
-from remat_fx.passes.peak import allocation, inlined_nodes, is_view, liveness, pointwise_op, reads_through
+from remat_fx.passes.peak import allocation, inlined_nodes, is_view, liveness, node_facts, reads_through
 
 RERUN = "remat_fx.rerun"
 
@@ -93,6 +93,7 @@ class _Program:
         # an item's storage root depends only on the item (never mutated) and ``shared``: one memo
         # for every program the search tries
         self.roots: Dict[_Item, object] = {}
+        self.facts: dict = {}  # node_facts of the backward's nodes, which the search never changes
 
     def root(self, item: _Item, memo: dict):
         found = memo.get(item)
@@ -121,7 +122,8 @@ class _Program:
             for item in items:
                 for m in item.ins.values():
                     users.setdefault(m, []).append(item)
-            inlined = inlined_nodes(items, lambda x: x.ins.values(), lambda x: users.get(x, ()), lambda x: x.src)
+            inlined = inlined_nodes(items, lambda x: x.ins.values(), lambda x: users.get(x, ()), lambda x: x.src,
+                                    self.facts)
         storages: Dict[object, tuple] = {}
         for item, r in zip(items, roots):
             if r not in storages:
@@ -137,7 +139,8 @@ class _Program:
                 uses.setdefault(k, []).append(i)
             reads.append(keys | {roots[i]})
         outputs = {self.root(m, memo) for m in items[end].ins.values()}
-        writers = {roots[i] for i, item in enumerate(items[:end]) if item not in inlined and pointwise_op(item.src)} \
+        writers = {roots[i] for i, item in enumerate(items[:end])
+                   if item not in inlined and node_facts(item.src, self.facts).pointwise} \
             if self.inline else None
         live, last = liveness(end, storages, reads[:end], outputs, writers)
         start = {k: v[0] for k, v in storages.items()}
