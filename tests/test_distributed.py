@@ -270,6 +270,8 @@ def _compiled_worker(rank, engine):
         _compiled_step(model, x, seed=7 + rank)
         grads[label] = full_grads(model)
     results["dropout"] = max((grads["0"][k] - grads["none"][k]).abs().max().item() for k in want)
+    if engine == "ddp":
+        results["collective"] = _collective_in_region(rank)
     # a budget no plan meets: an error on every rank, no hang
     torch._dynamo.reset()
     try:
@@ -290,6 +292,42 @@ def _compiled_worker(rank, engine):
     return results
 
 
+def _collective_in_region(rank):
+    """A functional all_reduce inside a remat.checkpoint region, compiled: by default the region
+    reruns it in backward on every rank (as PyTorch's checkpoint does); a save glob on its
+    wait_tensor keeps its result instead; a memory budget outside regions never reruns it.
+    Gradients as eager PyTorch without a region, in every case."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+
+    torch.manual_seed(0)
+    lin, lin2 = nn.Linear(D, 64), nn.Linear(64, D)
+    x = batch(rank)[0]
+
+    def body(x):
+        return lin2(torch.tanh(fc.all_reduce(torch.relu(lin(x)), "sum", dist.group.WORLD)))
+
+    def grads(region, options=None):
+        lin.zero_grad(set_to_none=True)
+        lin2.zero_grad(set_to_none=True)
+        f = (lambda x: remat.checkpoint("r")(body)(x)) if region else body
+        if options is not None:
+            torch._dynamo.reset()
+            f = torch.compile(f, backend="remat", options=dict(options, lower="eager"), fullgraph=True)
+        loss_of(f(x)).backward()
+        return {k: p.grad for k, p in [("lin", lin.weight), ("lin2", lin2.weight)] if p.grad is not None}
+
+    want = grads(False)
+    out = {}
+    for label, region, options in (("region", True, {}), ("region, save glob", True, {"save": ["*wait_tensor"]}),
+                                   ("budget 0", False, {"memory_budget": 0})):
+        got = grads(region, options)
+        saved = sorted(s.name for s in remat.last_plan().saved if s.bytes)
+        out[label] = (max((got[k] - want[k]).abs().max().item() for k in want) if got.keys() == want.keys()
+                      else float("inf"), saved)
+    return out
+
+
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_compiled_under_ddp_and_fsdp2(engine):
     """backend="remat" under DDP (DDPOptimizer splits the model into graphs at its gradient
@@ -303,7 +341,7 @@ def test_compiled_under_ddp_and_fsdp2(engine):
     for rank, results in enumerate(per_rank):
         where = f"{engine}, rank {rank}"
         for label, r in results.items():
-            if not isinstance(r, dict):
+            if not isinstance(r, dict) or label == "collective":
                 continue
             assert r["err"] < 1e-5, f"{where}, budget {label}: gradients off by {r['err']:.2e} (relative)"
             plans = r["plans"]
@@ -323,6 +361,13 @@ def test_compiled_under_ddp_and_fsdp2(engine):
         assert any(n.endswith("up.addmm") for n in names), f"{where}: save glob: saved {names}"
         assert results["dropout"] == 0, f"{where}: dropout gradients differ under budget 0"
         assert results["infeasible"] is not None and "16 B" in results["infeasible"], where
+        if engine == "ddp":
+            collective = results["collective"]
+            print(f"{where}: all_reduce in a compiled region: {collective}")
+            for label, (err, _) in collective.items():
+                assert err < 1e-5, f"{where}: all_reduce in a compiled region, {label}: gradients off by {err}"
+            assert not any("wait_tensor" in n for n in collective["region"][1]), collective
+            assert "wait_tensor" in collective["region, save glob"][1], collective
         error = results["one rank infeasible"]
         assert error is not None, f"{where}: a budget rank 1 cannot meet raised nothing"
         print(f"{where}, a budget rank 1 cannot meet: {error[0]}: {error[1][:200]}")
