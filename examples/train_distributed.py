@@ -95,7 +95,8 @@ def main(argv=None) -> None:
     budgets = sorted({str(plan.budget.budget) for _, plan, _ in report.calls if plan.budget is not None})
     for r in range(world):  # one rank at a time, so the lines do not interleave
         if r == rank:
-            print(f"rank {rank}: {len(report.calls)} calls of {len(report.graphs)} compiled graphs, saved for "
+            calls, graphs = len(report.calls), len(report.graphs)
+            print(f"rank {rank}: {calls} call{'s' * (calls != 1)} of {graphs} compiled graph{'s' * (graphs != 1)}, saved for "
                   f"backward {report.saved_bytes / 2**10:.1f} KiB, estimated step peak "
                   f"{report.peak.peak / 2**20:.2f} MiB; memory_budget {', '.join(budgets) or 'none'}", flush=True)
         dist.barrier()
