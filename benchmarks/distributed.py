@@ -14,10 +14,10 @@ use the eager FX lowering (the partitioned graphs run op by op, Inductor's decom
 Per rank and variant: the measured step peak (the CPU profiler's allocation events over one
 warmed-up forward+backward (and zero_grad), highest running total above the start; the lowest
 of 3 measurements: FSDP's all-gather buffers are allocated on gloo's threads, and where they fall
-against the compute moves a measurement by up to one buffer) and the median step time over ``--steps`` steps run right after
-the variant's compile (not interleaved with the other variants: a Dynamo reset between variants
-would recompile them; noisy on a shared CPU). Writes a markdown table to stdout (rank 0) and
-benchmarks/out/distributed.md.
+against the compute moves a measurement by up to one buffer) and the median step time over
+``--steps`` steps run right after the variant's compile (not interleaved with the other variants:
+a Dynamo reset between variants would recompile them; noisy on a shared CPU). Writes a markdown
+table to stdout (rank 0) and benchmarks/out/distributed.md.
 """
 from __future__ import annotations
 
@@ -144,7 +144,8 @@ def main(argv=None) -> None:
             for r in range(world):
                 cells += [f"{every[r]['torch', b][0] / 2**20:.2f} MiB", f"{every[r]['remat', b][0] / 2**20:.2f} MiB"]
             tt, tr = every[0]["torch", b][1], every[0]["remat", b][1]
-            lines.append(f"| {b:g} | " + " | ".join(cells) + f" | {tt * 1e3:.1f} ms | {tr * 1e3:.1f} ms | {tr / tt:.2f} |")
+            lines.append(f"| {b:g} | " + " | ".join(cells)
+                         + f" | {tt * 1e3:.1f} ms | {tr * 1e3:.1f} ms | {tr / tt:.2f} |")
         text = "\n".join(lines)
         print(text, flush=True)
         out = ROOT / "benchmarks" / "out"

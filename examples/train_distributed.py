@@ -96,7 +96,8 @@ def main(argv=None) -> None:
     for r in range(world):  # one rank at a time, so the lines do not interleave
         if r == rank:
             calls, graphs = len(report.calls), len(report.graphs)
-            print(f"rank {rank}: {calls} call{'s' * (calls != 1)} of {graphs} compiled graph{'s' * (graphs != 1)}, saved for "
+            plural = lambda n, word: f"{n} {word}{'s' * (n != 1)}"  # noqa: E731
+            print(f"rank {rank}: {plural(calls, 'call')} of {plural(graphs, 'compiled graph')}, saved for "
                   f"backward {report.saved_bytes / 2**10:.1f} KiB, estimated step peak "
                   f"{report.peak.peak / 2**20:.2f} MiB; memory_budget {', '.join(budgets) or 'none'}", flush=True)
         dist.barrier()

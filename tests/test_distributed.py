@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
                                 reason="torch built without torch.distributed/gloo")
 
 D, T, B = 128, 8, 4  # width (DDP's buckets are >= 1 MiB: two or more per model), tokens, batch per rank
-BUDGETS = {"none": {}, "0.3": {"memory_budget": 0.3}, "0": {"memory_budget": 0}, "save glob": {"save": ["*up.addmm"], "memory_budget": 0}}
+BUDGETS = {"none": {}, "0.3": {"memory_budget": 0.3}, "0": {"memory_budget": 0},
+           "save glob": {"save": ["*up.addmm"], "memory_budget": 0}}
 
 
 class Block(nn.Module):
@@ -141,7 +142,8 @@ def test_recompute_starts_after_every_tensor_hook_on_the_region_outputs():
     assert events == ["forward", "tensor hook", "forward"]
 
 
-EAGER_REGIONS = {"recompute all": {}, "save glob": {"save": "*.up"}, "offload + save": {"save": "*.up", "offload": "*.down"}}
+EAGER_REGIONS = {"recompute all": {}, "save glob": {"save": "*.up"},
+                 "offload + save": {"save": "*.up", "offload": "*.down"}}
 
 
 def _eager_worker(rank):
