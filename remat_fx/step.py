@@ -493,6 +493,16 @@ def plan_step(calls: List[CompiledGraph], limit: Optional[int] = None, fraction:
     fitting = [f for f, (peak, saved) in curve.items() if fits(peak, saved)]
     what = " and ".join(w for w in (limit is not None and f"peak_budget {fmt_bytes(limit)} ({limit:,} bytes)",
                                      saved_limit is not None and f"memory_budget {fmt_bytes(saved_limit)}") if w)
+    if not fitting and limit is None:  # the saved bytes alone: the user's memory budget, below the step's least
+        from remat_fx.passes.budget import BudgetInfeasible
+
+        least = min(curve, key=lambda f: (curve[f][1], curve[f][0]))
+        raise BudgetInfeasible(
+            f"remat_fx: memory_budget {fmt_bytes(saved_limit)} ({saved_limit:,} bytes) for the whole step "
+            f"({len(calls)} calls of {len(set(calls))} compiled graphs) is below its feasible minimum: every plan "
+            f"found saves at least {fmt_bytes(curve[least][1])} ({curve[least][1]:,} bytes), with every graph at "
+            f"memory_budget {'-' if least is None else f'{least:g}'}. Raise the budget to at least "
+            f"{curve[least][1]:,} bytes, or shrink the step (batch, sequence length).")
     if not fitting:
         best = min(curve, key=lambda f: curve[f])
         raise PeakInfeasible(
