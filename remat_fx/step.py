@@ -33,11 +33,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from remat_fx.memory_budget import Budget, fmt_bytes
 from remat_fx.options import BackendOptions
 from remat_fx.passes import partition as _partition
+from remat_fx.passes.budget import BudgetInfeasible
 from remat_fx.passes.lower import lower
 from remat_fx.passes.peak import PeakInfeasible
 from remat_fx.passes.plan import Plan, last_plan
@@ -193,11 +194,7 @@ class CompiledGraph:
 
             self.fake_mode = detect_fake_mode(inputs)
         if self.fake_mode is None:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-
             self.fake_mode = FakeTensorMode()
-        from torch._subclasses.fake_tensor import FakeTensor
-
         return [self.fake_mode.from_tensor(x, static_shapes=True)
                 if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x for x in inputs]
 
@@ -223,10 +220,11 @@ class CompiledGraph:
         return call_cost(self.plan, self.grads)
 
     def __call__(self, *args):
-        # not a call of the step when run on fake tensors: DDPOptimizer runs each compiled
-        # submodule once while compiling, to propagate shapes to the next one
+        # not a call of the step when run on fake tensors (all of them are, or none: the first
+        # tells): DDPOptimizer runs each compiled submodule once while compiling, to propagate
+        # shapes to the next one
         training = (self.plan is not None and torch.is_grad_enabled()
-                    and not any(isinstance(a, FakeTensor) for a in args))
+                    and not isinstance(next((a for a in args if isinstance(a, torch.Tensor)), None), FakeTensor))
         if training:
             STEP.enter(self)
         out = self.fn(*args)
@@ -360,7 +358,6 @@ def graph_options(options: BackendOptions, before: Optional[Sequence[CompiledGra
 def compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) -> CompiledGraph:
     """Lower one graph for the backend, planned for the step it is part of."""
     from remat_fx import measured_fit as _fit
-    from remat_fx.passes.budget import BudgetInfeasible
 
     graph = CompiledGraph(gm, example_inputs, options, graph_key(gm, example_inputs))
     cached = _fit.cached_options(graph, options)
@@ -494,8 +491,6 @@ def plan_step(calls: List[CompiledGraph], limit: Optional[int] = None, fraction:
     what = " and ".join(w for w in (limit is not None and f"peak_budget {fmt_bytes(limit)} ({limit:,} bytes)",
                                      saved_limit is not None and f"memory_budget {fmt_bytes(saved_limit)}") if w)
     if not fitting and limit is None:  # the saved bytes alone: the user's memory budget, below the step's least
-        from remat_fx.passes.budget import BudgetInfeasible
-
         least = min(curve, key=lambda f: (curve[f][1], curve[f][0]))
         raise BudgetInfeasible(
             f"remat_fx: memory_budget {fmt_bytes(saved_limit)} ({saved_limit:,} bytes) for the whole step "

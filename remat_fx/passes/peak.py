@@ -58,9 +58,10 @@ def _storage_bytes(node: fx.Node) -> int:
     return concrete(val.untyped_storage().nbytes())
 
 
-def is_view(node: fx.Node) -> bool:
-    """A node that shares another node's storage (a view, or a getitem of a multi-output view)."""
-    return node.op == "call_function" and storage_base(node) is not node
+def is_view(node: fx.Node, base: Optional[fx.Node] = None) -> bool:
+    """A node that shares another node's storage (a view, or a getitem of a multi-output view);
+    ``base``: its storage_base, if known."""
+    return node.op == "call_function" and (storage_base(node) if base is None else base) is not node
 
 
 def inlinable_op(node: fx.Node) -> bool:
@@ -69,7 +70,7 @@ def inlinable_op(node: fx.Node) -> bool:
         and not node.target.is_view and not isinstance(node.meta.get("val"), (tuple, list))
 
 
-def readers(x, users: Callable, src: Callable = lambda n: n, facts: Optional[dict] = None) -> Optional[list]:
+def readers(x, users: Callable, src: Callable, facts: dict) -> Optional[list]:
     """The ops reading ``x``'s values, looking through views; None if a graph output reads them.
     ``users(x)``: what takes ``x`` as an input; ``src(y)``: the FX node ``y`` stands for (the same
     function serves FX graphs and passes/rerun.py's program of copies); ``facts``: as ``node_facts``."""
@@ -97,16 +98,14 @@ class NodeFacts(NamedTuple):
     base: fx.Node  # storage_base
 
 
-def node_facts(node: fx.Node, memo: Optional[dict] = None) -> NodeFacts:
+def node_facts(node: fx.Node, memo: dict) -> NodeFacts:
     """What the liveness walks ask of a node, again and again (a rerun search simulates its program
     some 80 times): ``memo`` keeps them for the nodes of graphs that do not change meanwhile."""
-    found = memo.get(node) if memo is not None else None
+    found = memo.get(node)
     if found is None:
         base = storage_base(node)
-        found = NodeFacts(inlinable_op(node), fusible(node), node.op == "call_function" and base is not node,
-                          pointwise_op(node), _on_cpu(node), base)
-        if memo is not None:
-            memo[node] = found
+        found = memo[node] = NodeFacts(inlinable_op(node), fusible(node), is_view(node, base), pointwise_op(node),
+                                       _on_cpu(node), base)
     return found
 
 
