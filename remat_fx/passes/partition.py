@@ -22,6 +22,7 @@ from torch._functorch.compile_utils import fx_graph_cse
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
+from remat_fx.fresh_stack import on_fresh_stack
 from remat_fx.memory_budget import fmt_bytes
 from remat_fx.options import BackendOptions
 from remat_fx.passes.budget import apply_budget, budgets_of
@@ -55,8 +56,9 @@ def capture_joints():
 
 def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions, num_fwd_outputs: int,
               static_lifetime_input_indices=None, **kwargs):
-    with _no_gc():
-        return _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime_input_indices, kwargs)
+    with _no_gc():  # on a new thread's frame stack: remat_fx/fresh_stack.py
+        return on_fresh_stack(_partition, joint_gm, joint_inputs, options, num_fwd_outputs,
+                              static_lifetime_input_indices, kwargs)
 
 
 @contextlib.contextmanager
