@@ -473,3 +473,17 @@ def test_flop_counts_add_no_shape_guards():
         f(torch.randn(batch, 32, requires_grad=True)).backward()
         plans.append(remat.last_plan())
     assert plans[0] is not before and plans[0] is plans[1] is plans[2]
+
+
+def test_no_valid_plan_names_the_node_that_blocks_even_when_the_backward_does_not_read_it():
+    """The backward reads ``view`` (recomputable) whose recompute needs ``split``, which can be
+    neither saved nor recomputed: the error names ``split`` (it named an empty list)."""
+    from remat_fx.passes.budget import BudgetInfeasible, Problem, minimum
+
+    problem = Problem(order=["x", "split", "view"], inputs={"x": (), "split": ("x",), "view": ("split",)},
+                      needed={"view"}, base={"x": "x", "split": "split", "view": "view"},
+                      storage_bytes={"x": 64, "split": 64, "view": 64}, cost={"x": 0.0, "split": 1.0, "view": 0.0},
+                      can_save={"x"}, can_recompute={"view"})
+    with pytest.raises(BudgetInfeasible, match=r"backward needs \['split'\] \(read, or to recompute what it "
+                                               r"reads\), which can be neither saved nor recomputed"):
+        minimum(problem)

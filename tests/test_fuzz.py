@@ -116,6 +116,33 @@ def test_a_graph_break_inside_remat_annotate_under_compile():
     assert torch.equal(x.grad, x.detach().cos())
 
 
+@pytest.mark.parametrize("options", [{"peak_budget": 0.0}, {"memory_budget": 0.0}], ids=["peak", "memory"])
+def test_views_of_an_input_from_a_chunk_a_save_glob_matches_fit_a_budget(options):
+    """Found as case 2288 (peak_budget=0 with save=['*'] raised BudgetInfeasible, 'backward reads []'):
+    the backward reads chunk's outputs, views of a graph input. The glob tags chunk (an op returning
+    several views, so not savable itself) MUST_SAVE; a saved view is redone from its base, which
+    needs chunk redone, which the tag forbade. The views between a saved view and its base are now
+    redone with it (free), and the error names the node that blocks, not an empty list."""
+    import remat_fx as remat
+
+    v0 = torch.randn(2, 4, 8, requires_grad=True)
+
+    def f(v):
+        a, b = v.chunk(2, -1)
+        return torch.cat([b, a * b], -1).float().sin().sum()
+
+    want = torch.autograd.grad(f(v0), v0)[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="remat", options={"lower": "eager", "save": ["*"], **options}, fullgraph=True)
+    got = torch.autograd.grad(compiled(v0), v0)[0]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    plan = remat.last_plan()
+    # chunk's outputs are views of the input: the input is what is kept for them; cat, which the glob
+    # also matches, is saved
+    assert {(s.label, s.reason) for s in plan.saved if s.bytes} == {
+        ("input v", "graph input"), ("cat", "backend option save glob")}, str(plan)
+
+
 def test_a_saved_region_output_viewing_a_recompute_ops_result_fits_a_fraction_budget():
     """Found as case 112 (memory_budget='50%' raised BudgetInfeasible, 'backward reads []'): a
     region returns F.linear's output on a 3-d input (a view of a RECOMPUTE native_op's addmm) that

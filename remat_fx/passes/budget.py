@@ -100,6 +100,26 @@ def closure(problem: Problem, saved: Set[str]) -> Optional[Tuple[Set[str], Set[s
     return saved, recomputed
 
 
+def _blocked(problem: Problem) -> List[str]:
+    """The nodes the backward reads, directly or through what recomputing it needs, that can be
+    neither saved nor recomputed (what makes ``closure`` fail with nothing saved)."""
+    seen: Set[str] = set()
+    found: Set[str] = set()
+    stack = list(problem.needed)
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in problem.can_save:
+            continue
+        if v not in problem.can_recompute:
+            found.add(v)
+            continue
+        stack.extend(problem.inputs[v])
+    return sorted(found)
+
+
 def _cost(problem: Problem, recomputed) -> float:
     return sum(problem.cost[v] for v in recomputed)
 
@@ -155,10 +175,11 @@ def _minimum(problem: Problem, group: Optional[str], time_limit: float) -> Tuple
     if found == _INFEASIBLE:
         found = None
     if found is None and closure(problem, set()) is None:
-        blocked = sorted(v for v in problem.needed if v not in problem.can_save and v not in problem.can_recompute)
-        raise BudgetInfeasible(f"remat_fx: no plan meets a memory budget here: backward reads {blocked[:5]}, which "
-                               f"can be neither saved nor recomputed (a tuple-returning op tagged MUST_SAVE?). Tag "
-                               f"its outputs instead, or drop the budget.")
+        blocked = _blocked(problem)
+        raise BudgetInfeasible(f"remat_fx: no plan meets a memory budget here: backward needs {blocked[:5]} "
+                               f"(read, or to recompute what it reads), which can be neither saved nor "
+                               f"recomputed (a tuple-returning op tagged MUST_SAVE?). Tag its outputs instead, "
+                               f"or drop the budget.")
     if found is None:  # no answer in time: everything recomputable recomputed is valid and near it
         saved, _ = closure(problem, set())
     else:
@@ -353,11 +374,28 @@ def build_problem(joint: JointGraph, tags, params: Set[str], cost_model) -> Tupl
                 continue                      # saved view keeps its storage, as the min-cut's plan does
             problem.can_recompute.add(name)
             problem.can_recompute.discard(base)
+            _view_chain_recomputable(problem, name)
         elif name in problem.can_save:
             problem.can_recompute.add(name)
+            _view_chain_recomputable(problem, name)
         problem.can_save.discard(name)
         problem.cost[name] = 0.0
     return problem, by_id
+
+
+def _view_chain_recomputable(problem: Problem, name: str) -> None:
+    """The views between view ``name`` and its base are redone with it (free): one that could be
+    neither saved nor recomputed (an op returning several views, e.g. chunk, tagged MUST_SAVE by a
+    glob: its outputs are what is saved, and they are views of the base) is made recomputable."""
+    base = problem.base[name]
+    stack = [u for u in problem.inputs[name] if u != base and problem.base[u] == base]
+    while stack:
+        u = stack.pop()
+        if u in problem.can_recompute or u in problem.can_save:
+            continue
+        problem.can_recompute.add(u)
+        problem.cost[u] = 0.0
+        stack.extend(w for w in problem.inputs[u] if w != base and problem.base[w] == base)
 
 
 def region_budgets(joint: JointGraph) -> Dict[str, object]:
