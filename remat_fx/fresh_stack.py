@@ -10,10 +10,10 @@ compile 556,000 ``mmap``/``munmap`` pairs of 16 KiB, 2 million page faults, 17 s
 
 ``on_fresh_stack`` runs the planning on a new thread and waits for it (nothing runs concurrently).
 What the planning reads from the caller's context travels with it: its context variables
-(``contextvars``), grad mode, the compile context (compile ids in logs) and the active fake mode, through torch._guards' public
-helpers. The tracing context does not (``torch._guards.tracing`` would clean the shape
-environment's stacks on leaving; the partition reads none of it). Exceptions reach the caller
-unchanged.
+(``contextvars``), grad mode, the compile context (compile ids in logs) and the active fake mode,
+through torch._guards' public helpers. The tracing context does not (``torch._guards.tracing``
+would clean the shape environment's stacks on leaving; the partition reads none of it).
+Exceptions reach the caller unchanged.
 """
 from __future__ import annotations
 
