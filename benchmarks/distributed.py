@@ -1,7 +1,7 @@
 """FSDP2 + PyTorch's activation_memory_budget against FSDP2 + backend="remat", per rank.
 
     torchrun --nproc_per_node 2 benchmarks/distributed.py [--budgets 1,0.5,0.3,0] [--steps 10]
-             [--layers 4] [--d-model 128] [--seq 64] [--batch 4]
+             [--rounds 3] [--layers 4] [--d-model 128] [--seq 64] [--batch 4]
 
 The example GPT (examples/gpt.py, no annotations: the budget decides), every block
 ``fully_shard``-ed and compiled, the root ``fully_shard``-ed; 2 ranks, gloo on CPU. Both systems
@@ -13,11 +13,15 @@ use the eager FX lowering (the partitioned graphs run op by op, Inductor's decom
 
 Per rank and variant: the measured step peak (the CPU profiler's allocation events over one
 warmed-up forward+backward (and zero_grad), highest running total above the start; the lowest
-of 3 measurements: FSDP's all-gather buffers are allocated on gloo's threads, and where they fall
-against the compute moves a measurement by up to one buffer) and the median step time over
-``--steps`` steps run right after the variant's compile (not interleaved with the other variants:
-a Dynamo reset between variants would recompile them; noisy on a shared CPU). Writes a markdown
-table to stdout (rank 0) and benchmarks/out/distributed.md.
+of 3 measurements in each of ``--rounds`` rounds: FSDP's all-gather buffers are allocated on gloo's
+threads, and where they fall against the compute moves a measurement by up to one buffer) and the
+step time. Each round builds and compiles every variant again (a Dynamo reset between variants
+drops the earlier ones), in the opposite order to the round before, and times ``--steps`` steps
+right after the compile; the table gives the median over rounds of each round's median step time,
+and of each round's remat / torch ratio at a budget, with that ratio's range over the rounds (one
+round's steps share a compile, an allocator state and a thread placement, which move its times
+by more than the steps within it vary). Writes a markdown table to stdout (rank 0) and
+benchmarks/out/distributed.md.
 """
 from __future__ import annotations
 
@@ -97,6 +101,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", default="1,0.5,0.3,0")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--seq", type=int, default=64)
@@ -109,43 +114,50 @@ def main(argv=None) -> None:
     budgets = [float(b) for b in args.budgets.split(",")]
     variants = [(system, b) for b in budgets for system in ("torch", "remat")]
 
-    peaks, times = {}, {}
-    for system, b in variants:
-        torch._dynamo.reset()  # each variant compiles its own graphs (a reset drops every earlier one)
-        model = build(system, b, cfg)
+    peaks: dict = {}
+    times: dict = {v: [] for v in variants}  # one median per round
+    for round_ in range(args.rounds):
+        for system, b in (variants if round_ % 2 == 0 else variants[::-1]):
+            torch._dynamo.reset()  # each variant compiles its own graphs (a reset drops every earlier one)
+            model = build(system, b, cfg)
 
-        def step(model=model):
-            model(idx, targets).backward()
-            model.zero_grad(set_to_none=True)
+            def step(model=model):
+                model(idx, targets).backward()
+                model.zero_grad(set_to_none=True)
 
-        with scope(system, b):
-            step()  # compiles
-            step()
-            peaks[system, b] = min(step_peak_bytes(step) for _ in range(3))  # see the module's docstring
-            times[system, b] = []
-            for _ in range(args.steps):
-                dist.barrier()
-                t0 = time.perf_counter()
+            with scope(system, b):
+                step()  # compiles
                 step()
-                times[system, b].append(time.perf_counter() - t0)
-        dist.barrier()
-    mine = {v: (peaks[v], statistics.median(times[v])) for v in variants}
+                peak = min(step_peak_bytes(step) for _ in range(3))  # see the module's docstring
+                peaks[system, b] = min(peak, peaks.get((system, b), peak))
+                steps = []
+                for _ in range(args.steps):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    step()
+                    steps.append(time.perf_counter() - t0)
+                times[system, b].append(statistics.median(steps))
+            dist.barrier()
+    mine = {v: (peaks[v], times[v]) for v in variants}
     every = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
         lines = [f"FSDP2, {world} ranks (gloo, CPU, {torch.get_num_threads()} thread(s) each), GPT {args.layers} "
                  f"layers, d_model {args.d_model}, seq {args.seq}, batch {args.batch} per rank, eager lowering; "
-                 f"torch {torch.__version__}; median of {args.steps} steps per variant", "",
+                 f"torch {torch.__version__}; {args.rounds} round(s) of {args.steps} steps per variant "
+                 f"(rank 0's times: median over rounds of each round's median)", "",
                  "| budget | " + " | ".join(f"rank {r} peak torch | rank {r} peak remat" for r in range(world))
-                 + " | time torch (rank 0) | time remat (rank 0) | remat / torch time |",
-                 "|---" * (1 + 2 * world + 3) + "|"]
+                 + " | time torch | time remat | remat / torch time | ratio range over rounds |",
+                 "|---" * (1 + 2 * world + 4) + "|"]
         for b in budgets:
             cells = []
             for r in range(world):
                 cells += [f"{every[r]['torch', b][0] / 2**20:.2f} MiB", f"{every[r]['remat', b][0] / 2**20:.2f} MiB"]
             tt, tr = every[0]["torch", b][1], every[0]["remat", b][1]
+            ratios = [r / t for t, r in zip(tt, tr)]
             lines.append(f"| {b:g} | " + " | ".join(cells)
-                         + f" | {tt * 1e3:.1f} ms | {tr * 1e3:.1f} ms | {tr / tt:.2f} |")
+                         + f" | {statistics.median(tt) * 1e3:.1f} ms | {statistics.median(tr) * 1e3:.1f} ms"
+                         f" | {statistics.median(ratios):.2f} | {min(ratios):.2f}-{max(ratios):.2f} |")
         text = "\n".join(lines)
         print(text, flush=True)
         out = ROOT / "benchmarks" / "out"
