@@ -487,3 +487,21 @@ def test_no_valid_plan_names_the_node_that_blocks_even_when_the_backward_does_no
     with pytest.raises(BudgetInfeasible, match=r"backward needs \['split'\] \(read, or to recompute what it "
                                                r"reads\), which can be neither saved nor recomputed"):
         minimum(problem)
+
+
+def test_a_savable_node_whose_recompute_is_blocked_is_saved_when_the_solver_gives_no_answer(monkeypatch):
+    """``view`` is read by the backward through ``out`` (recomputable); ``view`` can be saved or
+    recomputed, but recomputing it needs ``split``, which can be neither. When HiGHS returns nothing
+    in time, the fallback plan recomputed ``view`` and failed ("backward needs []"); it saves it."""
+    from remat_fx.passes import budget
+    from remat_fx.passes.budget import Problem, closure, minimum
+
+    problem = Problem(order=["x", "split", "view", "out"],
+                      inputs={"x": (), "split": ("x",), "view": ("split",), "out": ("view",)},
+                      needed={"out"}, base={v: v for v in ("x", "split", "view", "out")},
+                      storage_bytes={"x": 64, "split": 64, "view": 32, "out": 64},
+                      cost={"x": 0.0, "split": 1.0, "view": 0.0, "out": 1.0},
+                      can_save={"x", "view", "out"}, can_recompute={"view", "out"})
+    assert closure(problem, set()) == ({"view"}, {"out"})
+    monkeypatch.setattr(budget, "_milp", lambda *a, **k: None)  # as when HiGHS runs out of time
+    assert minimum(problem, time_limit=0.5) == (32, {"view"})

@@ -83,6 +83,14 @@ class BudgetInfeasible(RematError):
 def closure(problem: Problem, saved: Set[str]) -> Optional[Tuple[Set[str], Set[str]]]:
     """(saved, recomputed) when backward reads what ``saved`` leaves to recompute; nodes that
     cannot be recomputed are saved. None when a node that can be neither is needed."""
+    found = _closure(problem, saved, None)
+    if found is None:  # recomputing a savable node needed one that can be neither: save that node instead
+        found = _closure(problem, saved, _completable(problem))
+    return found
+
+
+def _closure(problem: Problem, saved: Set[str], completable: Optional[Set[str]]):
+    """As ``closure``, recomputing what can be (only what is ``completable``, when given)."""
     saved = set(saved)
     recomputed: Set[str] = set()
     stack = [v for v in problem.needed if v not in saved]
@@ -90,7 +98,7 @@ def closure(problem: Problem, saved: Set[str]) -> Optional[Tuple[Set[str], Set[s
         v = stack.pop()
         if v in saved or v in recomputed:
             continue
-        if v not in problem.can_recompute:
+        if v not in problem.can_recompute or (completable is not None and v not in completable):
             if v not in problem.can_save:
                 return None
             saved.add(v)
@@ -98,6 +106,16 @@ def closure(problem: Problem, saved: Set[str]) -> Optional[Tuple[Set[str], Set[s
         recomputed.add(v)
         stack.extend(u for u in problem.inputs[v] if u not in saved and u not in recomputed)
     return saved, recomputed
+
+
+def _completable(problem: Problem) -> Set[str]:
+    """The nodes whose recompute can be carried through: recomputable, each input savable or itself
+    completable."""
+    found: Set[str] = set()
+    for v in problem.order:
+        if v in problem.can_recompute and all(u in found or u in problem.can_save for u in problem.inputs[v]):
+            found.add(v)
+    return found
 
 
 def _blocked(problem: Problem) -> List[str]:
