@@ -2,6 +2,7 @@
 remat's memory_budget, against eager PyTorch and eager per-layer torch.utils.checkpoint (CPU).
 
     python benchmarks/llama_depth.py [--budgets 1,0.5,0.3,0.2,0.1,0] [--torch-budgets 1,0.3,0] [--lower inductor|eager]
+                                     [--peak-budgets 40MiB,0.5]
                                      [--layers 8] [--seq 256] [--batch 4] [--steps 5] [--grads] [--plans]
 
 Per variant: the step's incremental peak (benchmarks/memory.py step_peak_bytes, one warmed-up
@@ -69,6 +70,9 @@ def grads_of(model):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", default="1,0.5,0.3,0.2,0.1,0")
+    p.add_argument("--peak-budgets", default="",
+                   help="remat peak_budget values (sizes like 42MiB, or fractions), each a variant without a "
+                        "memory_budget")
     p.add_argument("--torch-budgets", default="",
                    help="PyTorch's activation_memory_budget values to compare (torch.compile, Inductor), e.g. 1,0.3,0")
     p.add_argument("--lower", default="inductor", choices=("inductor", "eager"))
@@ -146,17 +150,19 @@ def main(argv=None):
             model.zero_grad(set_to_none=True)
             compiled(ids).backward()
         add(f"PyTorch {b:g}", model, compiled, ids, None, time.perf_counter() - t0)
-    for b in budgets:
+    peak_budgets = [v if any(c.isalpha() for c in v) else float(v) for v in args.peak_budgets.split(",") if v]
+    for label, knob in [(f"{b:g}", {"memory_budget": b}) for b in budgets] + \
+            [(f"peak_budget {v}", {"peak_budget": v}) for v in peak_budgets]:
         torch._dynamo.reset()
         model, loss, ids = build(args)
         compiled = torch.compile(loss, backend="remat", fullgraph=True,
-                                 options={"memory_budget": b, "lower": args.lower, **extra})
+                                 options={**knob, "lower": args.lower, **extra})
         t0 = time.perf_counter()
         with torch._functorch.config.patch(enable_autograd_cache=False):
             model.zero_grad(set_to_none=True)
             compiled(ids).backward()
         compile_s = time.perf_counter() - t0
-        add(f"remat {args.lower} {b:g}", model, compiled, ids, remat.last_plan(), compile_s)
+        add(f"remat {args.lower} {label}", model, compiled, ids, remat.last_plan(), compile_s)
     if args.steps:
         times = interleaved_step_times(variants, args.steps, 1)
         base = statistics.median(times[rows[0]["label"]])
