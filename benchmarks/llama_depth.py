@@ -67,6 +67,14 @@ def grads_of(model):
             for k, p in model.named_parameters()}
 
 
+def _number_or_size(text: str):
+    """A peak_budget as given: a number (a fraction, or bytes) or a size string (``42MiB``)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", default="1,0.5,0.3,0.2,0.1,0")
@@ -150,7 +158,7 @@ def main(argv=None):
             model.zero_grad(set_to_none=True)
             compiled(ids).backward()
         add(f"PyTorch {b:g}", model, compiled, ids, None, time.perf_counter() - t0)
-    peak_budgets = [v if any(c.isalpha() for c in v) else float(v) for v in args.peak_budgets.split(",") if v]
+    peak_budgets = [_number_or_size(v) for v in args.peak_budgets.split(",") if v]
     for label, knob in [(f"{b:g}", {"memory_budget": b}) for b in budgets] + \
             [(f"peak_budget {v}", {"peak_budget": v}) for v in peak_budgets]:
         torch._dynamo.reset()
