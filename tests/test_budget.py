@@ -475,6 +475,31 @@ def test_flop_counts_add_no_shape_guards():
     assert plans[0] is not before and plans[0] is plans[1] is plans[2]
 
 
+def test_cpu_attention_is_priced_by_its_flops():
+    """torch.utils.flop_counter has no formula for CPU's flash attention: the cost model counts it as
+    the CUDA kernel's (two matmuls forward, 2.5x that backward), not as its bytes only."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from remat_fx.passes.cost import CostModel, flops, moved_bytes
+
+    def step(q, k, v):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.autograd.grad(out.sum(), (q, k, v))
+
+    b, h, s, d = 2, 4, 256, 32  # a small Llama's attention
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    gm = make_fx(step, tracing_mode="fake")(q, k, v)
+    found = {n.target.overloadpacket.__name__: n for n in gm.graph.nodes
+             if "flash_attention" in str(n.target)}
+    forward = found["_scaled_dot_product_flash_attention_for_cpu"]
+    backward = found["_scaled_dot_product_flash_attention_for_cpu_backward"]
+    assert flops(forward) == 2 * (2 * b * h * s * s * d)
+    assert flops(backward) == flops(forward) * 5 // 2
+    cost = CostModel("auto", "inductor", torch.device("cpu"))
+    assert cost(forward) == pytest.approx(flops(forward) / cost.roof.flops_per_s + cost.roof.op_overhead_s)
+    assert cost(forward) > 4 * (moved_bytes(forward) / cost.roof.bytes_per_s + cost.roof.op_overhead_s)
+
+
 def test_no_valid_plan_names_the_node_that_blocks_even_when_the_backward_does_not_read_it():
     """The backward reads ``view`` (recomputable) whose recompute needs ``split``, which can be
     neither saved nor recomputed: the error names ``split`` (it named an empty list)."""

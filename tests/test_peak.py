@@ -222,7 +222,7 @@ def test_rerun_makes_the_peak_fall_with_the_budget():
     default peak_slack, above the budget's minimum the reruns and the tie-break together keep the
     estimated step time within 3% of the budget's fastest plan and never raise its peak (unless
     the monotone envelope picks a lower-peak plan that fits); at the minimum (budget 0) the reruns
-    take the lowest peak of the sweep within one forward's estimated time."""
+    take the lowest peak they find, whatever the slack (the time target gives way there)."""
     model, inputs = _gpt()
     want = _grads(model, inputs, model)
     plans = {}
@@ -243,23 +243,19 @@ def test_rerun_makes_the_peak_fall_with_the_budget():
             assert plan.rerun.allowance_s is not None and plan.rerun.cost_s <= plan.rerun.allowance_s
             assert plan.step_cost_s <= 1.03 * fast.step_cost_s * (1 + 1e-9) or \
                 plan.peak.step < fast.peak.step  # the monotone envelope's lower-peak plan
-        else:  # the least memory, within one forward's time, the same whatever the slack
-            assert plan.rerun.allowance_s is not None and plan.rerun.reruns > 0
-            assert plan.rerun.cost_s <= plan.rerun.allowance_s
+        else:  # the least memory, the same whatever the slack
+            assert plan.rerun.allowance_s is None and plan.rerun.reruns > 0
             assert plan.peak.step == fast.peak.step == plans[budget, 0.5].peak.step
     peaks = {b: plans[b, 0.03].peak.step for b in sweep}
     assert peaks[0.0] == min(peaks.values()), peaks
-    # peak_budget 0, the least peak of its range, is reached with budget 0's rerun allowance (one
-    # forward's estimated time), not with reruns at any cost (measured 3x the step time for 3% less
-    # peak on an 8-layer Llama): at most budget 0's peak and time, the reruns within the allowance
+    # peak_budget 0, the least peak of its range (budget 0's): at most budget 0's peak and time
     torch._dynamo.reset()
     f = torch.compile(model, backend="remat", fullgraph=True, options={"lower": "eager", "peak_budget": 0.0})
     for a, b in zip(_grads(model, inputs, f), want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     least, zero = remat.last_plan(), plans[0.0, 0.03]
     assert least.peak.step <= zero.peak.step, (least.peak.step, zero.peak.step)
-    assert least.rerun is not None and least.rerun.allowance_s is not None
-    assert least.rerun.cost_s <= least.rerun.allowance_s
+    assert least.rerun is not None and least.rerun.allowance_s is None
     assert least.step_cost_s <= zero.step_cost_s * (1 + 1e-9), (least.step_cost_s, zero.step_cost_s)
     free = [plans[b, 0.5].peak.step for b in sweep]
     assert free == sorted(free, reverse=True), free
@@ -535,8 +531,8 @@ def test_measured_peak_never_rises_as_the_budget_falls_on_an_8_layer_llama_under
     lowered by Inductor: the measured step peak (profiler memory timeline) does not rise as the
     memory budget falls from 1 to 0, nor does remat's estimate (the monotone envelope,
     passes/peak.py monotone_peak; the budgets between 1 and 0 lie off its grid 0.5/0.3/0.1); at 0
-    it is at or below eager per-layer torch.utils.checkpoint's, with reruns that stay within their
-    time allowance (one forward); saved bytes within each budget; gradients equal eager's."""
+    it is at or below eager per-layer torch.utils.checkpoint's, with reruns for the least peak they
+    find; saved bytes within each budget; gradients equal eager's."""
     from argparse import Namespace
     from benchmarks.llama_depth import build, grads_of
 
@@ -574,4 +570,4 @@ def test_measured_peak_never_rises_as_the_budget_falls_on_an_8_layer_llama_under
     assert peaks[0.0] <= per_layer, (peaks, per_layer)
     assert peaks[0.0] < 0.5 * peaks[1.0], peaks
     zero = plan.rerun
-    assert zero.reruns > 0 and zero.allowance_s is not None and zero.cost_s <= zero.allowance_s, zero
+    assert zero.reruns > 0 and zero.allowance_s is None, zero  # the least peak found: no time allowance

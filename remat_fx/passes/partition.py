@@ -100,7 +100,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         plan.step_cost_s = forward_s + sum(cost(n) for n in bw.graph.nodes if n.op == "call_function")
         if options.rerun is True or (options.rerun == "auto" and budgeted):
             bw = _rerun(fw, bw, plan, num_fwd_outputs, cost, options.peak_budget,
-                        _rerun_allowance(plan, fastest_s, options, forward_s))
+                        _rerun_allowance(plan, fastest_s, options))
         plan.peak = estimate_peak(fw, bw, num_fwd_outputs, inline=options.lower == "inductor")
         return fw, bw, plan
 
@@ -185,29 +185,20 @@ def _peak_budgeted(options: BackendOptions) -> bool:
     return options.peak_budget is not None or options.peak_fraction is not None
 
 
-def _rerun_allowance(plan, fastest_s, options, forward_s: float) -> Optional[float]:
+def _rerun_allowance(plan, fastest_s, options) -> Optional[float]:
     """Seconds of recompute the reruns may add (cost model), None for the lowest peak found.
-    A byte peak_budget asks for a peak (fit_peak finds the fastest plan meeting it), whatever it
-    costs; a fraction peak_budget, for a point of the range whose low end is budget 0's plan (below).
-    A memory budget at its feasible minimum asks for the least memory at about per-block
-    checkpointing's cost: the plan already recomputes the forward once in backward (as
-    checkpointing does), and holding only block boundaries then needs each block's values
-    recomputed once more, i.e. up to one more forward (``forward_s``, the forward graph's estimated
-    time); past that the lowest peaks cost far more time for little (whole blocks rerun from
-    earlier boundaries, measured: +75% step time for the last 12% of the peak on an 8-layer Llama).
-    Otherwise the step may become at most peak_slack slower than the fastest plan under the budget
-    (its time without reruns), together with the peak tie-break's choice of a slower plan
-    (passes/peak.py lower_peak)."""
+    A peak_budget asks for a peak: a byte one for the fastest plan meeting it (fit_peak), whatever
+    its reruns cost; a fraction one for a point of the range whose low end is budget 0's least peak.
+    A memory budget at its feasible minimum asks for the least memory: the time target gives way
+    there (the plan saves nothing, so it recomputes the forward once and each block again to hold
+    only block boundaries; measured on an 8-layer Llama at budget 0: reruns for the lowest peak
+    15.0 MiB, with one forward's estimated time 18.0 MiB, above budget 0.15's 16.7 MiB, at the
+    same step time). Otherwise the step may become at most peak_slack slower than the fastest plan
+    under the budget (its time without reruns), together with the peak tie-break's choice of a
+    slower plan (passes/peak.py lower_peak)."""
     report = plan.budget
-    if options.peak_fraction is not None:
-        # a fraction of the range between the least peak and the unbudgeted one: the least is
-        # budget 0's, whose reruns may add one forward (unlimited reruns measured 3x the step time
-        # for 3% less peak on an 8-layer Llama), and no plan of the range may cost more than that
-        return forward_s
-    if _peak_budgeted(options):
+    if _peak_budgeted(options) or (report is not None and report.target <= report.minimum):
         return None
-    if report is not None and report.target <= report.minimum:
-        return forward_s
     base = plan.step_cost_s if fastest_s is None else fastest_s
     return max(0.0, base * (1 + options.peak_slack) - plan.step_cost_s)
 

@@ -182,7 +182,8 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     history = []  # (items, state, FX name, nodes, seconds so far) after each kept rerun
     best = (cur.peak, 0)
     stale, spent = 0, 0.0
-    while len(history) < max_reruns and cur.peak > floor and stale < patience:
+    # with a cap, the search ends once the peak meets it (_prefix keeps the fewest reruns that do)
+    while len(history) < max_reruns and cur.peak > max(floor, cap or 0) and stale < patience:
         live, roots, start, last, uses, size, inlined = sim
         t_star = max(range(len(live)), key=lambda i: (live[i], -i))
         candidates = _candidates(prog, live, roots, start, last, uses, size, inlined, t_star, cost, max_closure)
