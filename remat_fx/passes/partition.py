@@ -93,14 +93,14 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             joint_gm, joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_indices=static_lifetime_input_indices, **kwargs)
 
-    def finish(fw, bw, plan, budgeted, fastest_s):
+    def finish(fw, bw, plan, budgeted, fastest_s, cap=None):
         if options.schedule:
             plan.moved_just_in_time = schedule_recompute(bw, set(plan.recomputed_fx))
         forward_s = sum(cost(n) for n in fw.graph.nodes if n.op == "call_function")
         plan.step_cost_s = forward_s + sum(cost(n) for n in bw.graph.nodes if n.op == "call_function")
         if options.rerun is True or (options.rerun == "auto" and budgeted):
-            bw = _rerun(fw, bw, plan, num_fwd_outputs, cost, options.peak_budget,
-                        _rerun_allowance(plan, fastest_s, options))
+            bw = _rerun(fw, bw, plan, num_fwd_outputs, cost, options.peak_budget if cap is None else cap,
+                        _rerun_allowance(plan, fastest_s, options) if cap is None else None)
         plan.peak = estimate_peak(fw, bw, num_fwd_outputs, inline=options.lower == "inductor")
         return fw, bw, plan
 
@@ -113,13 +113,15 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         cuts: dict = {}  # one partition call solves a target once (the peak searches revisit them)
         by_tags: dict = {}  # and partitions one set of tags once
 
-        def cut(budgets, fastest_s=None):
+        def cut(budgets, fastest_s=None, cap=None):
             """(fw, bw, plan, tags) meeting ``budgets`` ({} = the plan without a budget); ``fastest_s``:
             the estimated step time of the fastest plan under the user's budget, without reruns (None:
-            this is that plan), from which the time allowed to lower the peak is counted."""
-            key = (tuple(sorted((str(k), repr(v)) for k, v in budgets.items())), fastest_s)
+            this is that plan), from which the time allowed to lower the peak is counted; ``cap``: an
+            estimated step peak the reruns are to reach instead, whatever their time (the monotone
+            envelope's bound)."""
+            key = (tuple(sorted((str(k), repr(v)) for k, v in budgets.items())), fastest_s, cap)
             if key not in cuts:
-                cuts[key] = solve(budgets, fastest_s)
+                cuts[key] = solve(budgets, fastest_s, cap)
                 elapsed = time.perf_counter() - t0
                 if elapsed > _PROGRESS_S:
                     plan = cuts[key][2]
@@ -129,14 +131,14 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                              fmt_bytes(plan.total_bytes), fmt_bytes(plan.peak.step))
             return cuts[key]
 
-        def solve(budgets, fastest_s):
+        def solve(budgets, fastest_s, cap):
             if not budgets:
                 _write_tags(joint_gm, tags)
-                return (*finish(fw0, bw0, copy.copy(plan0), _peak_budgeted(options), fastest_s), tags)
+                return (*finish(fw0, bw0, copy.copy(plan0), _peak_budgeted(options), fastest_s, cap), tags)
             new_tags, report = apply_budget(joint, tags, plan0, budgets, params, cost, options)
             # the solver often gives several targets the same tags (the peak searches' targets
             # between two plans' saved bytes): the same tags make the same partition and reruns
-            same = (frozenset((n.name, t.policy) for n, t in new_tags.items()), fastest_s,
+            same = (frozenset((n.name, t.policy) for n, t in new_tags.items()), fastest_s, cap,
                     report.solver == "none", report.target <= report.minimum)
             if same in by_tags:
                 fw, bw, done, recompute_s = by_tags[same]
@@ -155,13 +157,13 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             report.estimated_cost_s = plan.recompute_cost_s
             _check_achieved(report, plan, joint, params)
             plan.budget = report
-            fw, bw, plan = finish(fw, bw, plan, True, fastest_s)
+            fw, bw, plan = finish(fw, bw, plan, True, fastest_s, cap)
             by_tags[same] = (fw, bw, plan, report.estimated_cost_s)
             return fw, bw, plan, new_tags
 
         if not _peak_budgeted(options):
             chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
-            fw, bw, plan, tags = monotone_peak(cut, budgets, chosen) if options.peak_slack > 0 else chosen
+            fw, bw, plan, tags = monotone_peak(cut, budgets, chosen, options.peak_slack) if options.peak_slack > 0 else chosen
             plan.peak_evaluations = len(cuts)
         else:
             fw, bw, plan, tags = fit_peak(cut, budgets, options.peak_budget, options.peak_fraction)
