@@ -54,7 +54,7 @@ _FLOPS_AS = {
 }
 
 
-def flop_formula(packet):
+def _flop_formula(packet):
     """torch.utils.flop_counter's formula for an op (an OpOverloadPacket), None if it has none."""
     fn = flop_registry.get(packet)
     if fn is None and packet is not None and packet.__name__ in _FLOPS_AS:
@@ -63,7 +63,7 @@ def flop_formula(packet):
 
 
 def flops(node: fx.Node) -> int:
-    fn = flop_formula(getattr(node.target, "overloadpacket", None))
+    fn = _flop_formula(getattr(node.target, "overloadpacket", None))
     if fn is None:
         return 0
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))

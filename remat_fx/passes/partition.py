@@ -163,7 +163,8 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
 
         if not _peak_budgeted(options):
             chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
-            fw, bw, plan, tags = monotone_peak(cut, budgets, chosen, options.peak_slack) if options.peak_slack > 0 else chosen
+            fw, bw, plan, tags = chosen if options.peak_slack <= 0 else \
+                monotone_peak(cut, budgets, chosen, options.peak_slack)
             plan.peak_evaluations = len(cuts)
         else:
             fw, bw, plan, tags = fit_peak(cut, budgets, options.peak_budget, options.peak_fraction)
