@@ -448,8 +448,6 @@ def lower_peak(cut, budgets, first, slack: float):
     return best
 
 
-
-
 def monotone_peak(cut, budgets, chosen, slack: float):
     """The monotone envelope of a memory budget: a smaller budget must not give a higher estimated
     peak than a larger one. ``chosen`` (lower_peak's plan) is compared with lower_peak's plan at the
@@ -470,11 +468,11 @@ def monotone_peak(cut, budgets, chosen, slack: float):
     if None not in budgets or report is None or report.solver == "none" or report.target <= report.minimum:
         return chosen
     lo, hi = report.minimum, report.maximum
-    above = sorted({t for t in (lo + int((hi - lo) * f) for f in _GRID) if t > report.target})[:1]
+    above = [t for t in (lo + int((hi - lo) * f) for f in _GRID) if t > report.target]
     if not above:
         return chosen
-    bound = min(lower_peak(cut, nearby, cut(nearby), slack)[2].peak.step
-                for nearby in (_overall(budgets, Budget(nbytes=t)) for t in above))
+    nearby = _overall(budgets, Budget(nbytes=min(above)))
+    bound = lower_peak(cut, nearby, cut(nearby), slack)[2].peak.step
     if plan.peak.step <= bound:
         return chosen
     best = cut(budgets, None, bound)
