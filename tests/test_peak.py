@@ -216,9 +216,9 @@ def _grads(model, inputs, fn):
 
 
 def test_rerun_makes_the_peak_fall_with_the_budget():
-    """Estimated step peaks never rise as the memory budget shrinks when the reruns may spend the
-    time they need (without reruns they did: at 0 the backward recomputed every layer before the
-    last layer's gradients); gradients unchanged; the measured peak follows the estimate. With the
+    """Estimated step peaks never rise as the memory budget shrinks under the default peak_slack
+    (without reruns they did: at 0 the backward recomputed every layer before the last layer's
+    gradients); gradients unchanged; the measured peak follows the estimate. With the
     default peak_slack, above the budget's minimum the reruns and the tie-break together keep the
     estimated step time within 3% of the budget's fastest plan and never raise its peak (unless
     the monotone envelope picks a lower-peak plan that fits); at the minimum (budget 0) the reruns
@@ -228,7 +228,7 @@ def test_rerun_makes_the_peak_fall_with_the_budget():
     plans = {}
     sweep = (1.0, 0.6, 0.2, 0.0)
     for budget in sweep:
-        for slack in (0.0, 0.03, 0.5):
+        for slack in (0.0, 0.03):
             torch._dynamo.reset()
             f = torch.compile(model, backend="remat", fullgraph=True,
                               options={"lower": "eager", "memory_budget": budget, "peak_slack": slack})
@@ -245,9 +245,9 @@ def test_rerun_makes_the_peak_fall_with_the_budget():
                 plan.peak.step < fast.peak.step  # the monotone envelope's lower-peak plan
         else:  # the least memory, the same whatever the slack
             assert plan.rerun.allowance_s is None and plan.rerun.reruns > 0
-            assert plan.peak.step == fast.peak.step == plans[budget, 0.5].peak.step
-    peaks = {b: plans[b, 0.03].peak.step for b in sweep}
-    assert peaks[0.0] == min(peaks.values()), peaks
+            assert plan.peak.step == fast.peak.step
+    peaks = [plans[b, 0.03].peak.step for b in sweep]  # the default slack
+    assert peaks == sorted(peaks, reverse=True), peaks
     # peak_budget 0, the least peak of its range (budget 0's): at most budget 0's peak and time
     torch._dynamo.reset()
     f = torch.compile(model, backend="remat", fullgraph=True, options={"lower": "eager", "peak_budget": 0.0})
@@ -257,8 +257,6 @@ def test_rerun_makes_the_peak_fall_with_the_budget():
     assert least.peak.step <= zero.peak.step, (least.peak.step, zero.peak.step)
     assert least.rerun is not None and least.rerun.allowance_s is None
     assert least.step_cost_s <= zero.step_cost_s * (1 + 1e-9), (least.step_cost_s, zero.step_cost_s)
-    free = [plans[b, 0.5].peak.step for b in sweep]
-    assert free == sorted(free, reverse=True), free
     off, off_peak = _measure(model, inputs, {"memory_budget": 0.0, "rerun": False})
     on, on_peak = _measure(model, inputs, {"memory_budget": 0.0})
     assert on.rerun.reruns > 0 and off.rerun is None
