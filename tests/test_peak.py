@@ -490,19 +490,21 @@ def test_peak_slack_option():
 
 
 def test_inductor_kernels_do_not_fuse_across_a_rerun():
-    """Under Inductor a fused kernel runs at its earliest member's place once all it reads is ready,
-    so two kernels fused across a rerun either compute the rerun early (held as the first copy was)
-    or run a reader of the first copy after the rerun (both copies alive): such far fusions are
-    refused; near ones, and far ones with no rerun between them, are left to Inductor."""
+    """Under Inductor a fused kernel runs once all it reads is ready and allocates all its outputs
+    when it starts, so two kernels fused across a rerun either compute the rerun early (held as the
+    first copy was) or run a reader of the first copy after the rerun (both copies alive): far
+    fusions with a rerun between them or in the later one are refused, and at any distance those
+    across the copies of a rerun the earlier kernel is not part of; a rerun's copies fuse with each
+    other and their readers, and the rest is left to Inductor."""
     from remat_fx.passes.lower import _KeepRerunsLate
     from remat_fx.passes.rerun import RERUN
 
     class Origin:
         def __init__(self, rerun):
-            self.meta = {RERUN: True} if rerun else {}
+            self.meta = {RERUN: rerun} if rerun else {}
 
     class SNode:  # what the fusion choice reads of Inductor's scheduler nodes
-        def __init__(self, order, rerun=False):
+        def __init__(self, order, rerun=0):
             self.min_order = self.max_order = order
             self.node = type("IR", (), {"origins": {Origin(rerun)}})()
 
@@ -513,14 +515,19 @@ def test_inductor_kernels_do_not_fuse_across_a_rerun():
         def can_fuse(self, scheduler, node1, node2, score):
             return True
 
-    nodes = [SNode(i, rerun=(i == 20)) for i in range(40)]
+    copies = {20: 1, 21: 1, 25: 2, 26: 2}  # position: its rerun's number
+    nodes = [SNode(i, rerun=copies.get(i, 0)) for i in range(40)]
     scheduler = type("Scheduler", (), {"nodes": nodes})()
     choices = _KeepRerunsLate(Prior())
     assert not choices.can_fuse(scheduler, nodes[5], nodes[30], 0)  # a reader of the first copy, pulled late
     assert not choices.can_fuse(scheduler, nodes[30], nodes[5], 0)
     assert not choices.can_fuse(scheduler, nodes[20], nodes[2], 0)  # the rerun itself, pulled early
-    assert choices.can_fuse(scheduler, nodes[15], nodes[22], 0)  # near: moves nothing far
-    assert choices.can_fuse(scheduler, nodes[21], nodes[39], 0)  # far, but no rerun between them
+    assert not choices.can_fuse(scheduler, nodes[17], nodes[22], 0)  # near, but across rerun 1's copies
+    assert not choices.can_fuse(scheduler, nodes[21], nodes[27], 0)  # rerun 1 with a reader of rerun 2's
+    assert choices.can_fuse(scheduler, nodes[20], nodes[21], 0)  # one rerun's copies
+    assert choices.can_fuse(scheduler, nodes[20], nodes[22], 0)  # ... and their reader
+    assert choices.can_fuse(scheduler, nodes[15], nodes[19], 0)  # near, no rerun between them
+    assert choices.can_fuse(scheduler, nodes[27], nodes[39], 0)  # far, but no rerun between them
     assert choices.can_fuse(scheduler, nodes[0], nodes[19], 0)
 
 

@@ -37,7 +37,7 @@ from remat_fx.passes.capture import is_random
 from remat_fx.passes.cost import flops
 from remat_fx.passes.peak import allocation, inlined_nodes, is_view, liveness, node_facts, reads_through
 
-RERUN = "remat_fx.rerun"
+RERUN = "remat_fx.rerun"  # node meta of a copy: the number of its rerun (1, 2, ...)
 
 
 @dataclass
@@ -55,11 +55,12 @@ class RerunReport:
 
 class _Item:
     """One node of the program being rewritten: ``ins`` maps each input node of ``src`` to the
-    item that provides it (a copy, after a rerun)."""
+    item that provides it (a copy, after a rerun); ``copy``: the number of the rerun it is a copy
+    of (0: an original)."""
 
     __slots__ = ("src", "ins", "copy")
 
-    def __init__(self, src: fx.Node, ins: Dict[fx.Node, "_Item"], copy: bool = False):
+    def __init__(self, src: fx.Node, ins: Dict[fx.Node, "_Item"], copy: int = 0):
         self.src, self.ins, self.copy = src, ins, copy
 
 
@@ -191,7 +192,7 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
         affordable = [c for c in candidates if allowance is None or spent + c[2]["seconds"] <= allowance]
         for score, root, plan in affordable[:tries]:
             before = prog.items
-            prog.items = _apply(prog.items, plan)
+            prog.items = _apply(prog.items, plan, len(history) + 1)
             new_sim, new = state()
             if (new.peak, new.width) < (cur.peak, cur.width):
                 taken = (root, plan)
@@ -341,12 +342,13 @@ def _reaches(m: _Item, r, roots, index, inlined, rewired) -> bool:
                                                      for x in m.ins.values())
 
 
-def _apply(items: List[_Item], plan) -> List[_Item]:
-    """A new program with the plan's closure copied in before position ``at`` and its later users
-    reading the copies (items are never mutated: the previous program stays valid for undo)."""
+def _apply(items: List[_Item], plan, number: int) -> List[_Item]:
+    """A new program with the plan's closure copied in before position ``at`` (copies of rerun
+    ``number``) and its later users reading the copies (items are never mutated: the previous
+    program stays valid for undo)."""
     copies: Dict[_Item, _Item] = {}
     for item in plan["closure"]:
-        copies[item] = _Item(item.src, {m: copies.get(p, p) for m, p in item.ins.items()}, copy=True)
+        copies[item] = _Item(item.src, {m: copies.get(p, p) for m, p in item.ins.items()}, copy=number)
     at = plan["at"]
     replaced: Dict[_Item, _Item] = {}
     out = []
@@ -385,7 +387,7 @@ def _materialize(bw: fx.GraphModule, items: List[_Item]) -> fx.GraphModule:
             raise RuntimeError(f"remat_fx: rerun could not keep the name {name!r} ({node.name!r})")
         node.meta = dict(src.meta)
         if item.copy:
-            node.meta[RERUN] = True
+            node.meta[RERUN] = item.copy
         env[id(item)] = node
     graph.eliminate_dead_code()  # originals of views whose users now read copies
     graph.lint()
