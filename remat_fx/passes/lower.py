@@ -88,11 +88,12 @@ class _KeepRerunsLate:
         i = bisect.bisect_right(copies, (early.max_order, float("inf")))
         if i < len(copies) and late.min_order - early.max_order > self._NEAR and copies[i][0] <= late.max_order:
             return False
-        mine = {number for snode in early.get_nodes() for number in _reruns_of(snode)}
-        while i < len(copies) and copies[i][0] < late.min_order:
-            if copies[i][1] not in mine:
-                return False  # early's readers of a first copy would run after another rerun
-            i += 1
+        if i < len(copies) and copies[i][0] < late.min_order:  # copies between them
+            mine = {number for snode in early.get_nodes() for number in _reruns_of(snode)}
+            while i < len(copies) and copies[i][0] < late.min_order:
+                if copies[i][1] not in mine:
+                    return False  # early's readers of a first copy would run after another rerun
+                i += 1
         return self._prior.can_fuse(scheduler, node1, node2, shared_data_score)
 
 
