@@ -288,11 +288,14 @@ def test_rerun_copies_sit_just_before_their_first_use(monkeypatch):
 
     model, inputs = _gpt()
     seen = _spy(monkeypatch, "rerun_for_peak", lambda args, out: {"bw": out[0]})
-    _measure(model, inputs, {"memory_budget": 0.0})
+    plan, _ = _measure(model, inputs, {"memory_budget": 0.0})
     nodes = list(seen["bw"].graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     copies = [n for n in nodes if n.meta.get(RERUN) and not is_view(n)]
     assert copies
+    # each copy carries the number of its rerun (passes/lower.py keeps two reruns' kernels apart)
+    numbers = {n.meta[RERUN] for n in nodes if n.meta.get(RERUN)}
+    assert numbers == set(range(1, plan.rerun.reruns + 1)), (numbers, plan.rerun.reruns)
     for node in copies:
         first = min(index[u] for u in node.users)
         assert all(n.meta.get(RERUN) for n in nodes[index[node] + 1:first]), node.name
