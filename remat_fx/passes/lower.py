@@ -86,9 +86,9 @@ class _KeepRerunsLate:
                 (snode.min_order, number) for group in scheduler.nodes for snode in group.get_nodes()
                 for number in _reruns_of(snode))
         i = bisect.bisect_right(copies, (early.max_order, float("inf")))
-        if i < len(copies) and late.min_order - early.max_order > self._NEAR and copies[i][0] <= late.max_order:
-            return False
-        if i < len(copies) and copies[i][0] < late.min_order:  # copies between them
+        if i < len(copies) and copies[i][0] <= late.max_order:  # copies after early, up to late's end
+            if late.min_order - early.max_order > self._NEAR:
+                return False
             mine = {number for snode in early.get_nodes() for number in _reruns_of(snode)}
             while i < len(copies) and copies[i][0] < late.min_order:
                 if copies[i][1] not in mine:
