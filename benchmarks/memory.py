@@ -132,8 +132,8 @@ def fmt_bytes(n: Optional[float]) -> str:
 
 
 def step_peak_bytes(step) -> int:
-    """Incremental peak of one call of ``step`` on the CPU (remat_fx.measure: the profiler's memory
-    timeline, which sees Inductor's buffers as well as eager ops)."""
+    """Incremental peak of one call of ``step`` on the CPU (remat_fx.measure: the profiler's
+    allocation events, which see Inductor's buffers as well as eager ops)."""
     from remat_fx.measure import step_peak_bytes as measured
 
     return measured(step, torch.device("cpu"))

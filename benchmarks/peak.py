@@ -6,9 +6,9 @@ memory_budget (both lowerings), and remat's peak_budget.
                               [--no-rerun-budgets 0,0.1] [--peak-fractions 0.6,0.5,0.4] [--steps 5]
                               [--pair-rounds 12]
 
-Peak: torch.profiler's memory timeline around one warmed-up fwd+bwd step, highest point minus the
-first sample (benchmarks/memory.py step_peak_bytes; it sees Inductor's buffers as well as eager
-ops). remat's static estimate (plan.peak) is shown next to it. ``remat (rerun off)`` rows: remat
+Peak: torch.profiler's allocation events around one warmed-up fwd+bwd step, the highest running
+total of what it allocates less what it frees of that (benchmarks/memory.py step_peak_bytes; it
+sees Inductor's buffers as well as eager ops). remat's static estimate (plan.peak) is shown next to it. ``remat (rerun off)`` rows: remat
 with option rerun=False (no value recomputed a second time), at --no-rerun-budgets. ``peak_budget`` rows ask remat for
 the fastest plan whose estimated peak is at most that fraction of remat's peak without a budget
 (same lowering). Step time: median over --steps interleaved rounds / eager without checkpointing;
@@ -286,7 +286,7 @@ def main(argv=None) -> str:
     out = ["# Step peak memory: eager, per-block checkpointing, PyTorch's budget, remat (CPU)", "",
            f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {platform.machine()}; command: `{cmd}`; "
            f"layers {args.layers}, d_model {args.d_model}, heads {args.heads}, seq {args.seq}, vocab {args.vocab}, "
-           f"batch {args.batch}, float32. Peak = incremental peak of one fwd+bwd (profiler memory timeline).", ""]
+           f"batch {args.batch}, float32. Peak = incremental peak of one fwd+bwd (profiler allocation events).", ""]
     for key in keys:
         out += [f"## {key}", ""] + table(rows, key, not args.skip_time) + [""] + summary(rows, key, args.lowerings)
         out += [""]

@@ -9,7 +9,7 @@ Variants: eager; eager with torch.utils.checkpoint per block; PyTorch's torch.co
 with ``activation_memory_budget`` at --torch-budgets; remat without a budget; remat with a
 byte ``peak_budget`` at --limits (fractions of remat's unbudgeted measured peak); remat with a
 fraction ``peak_budget`` at --fractions; ``remat.fit`` (measured) at --fit limits. Peak: the
-profiler's memory timeline over one warmed-up step (remat_fx.measure.step_peak_bytes); estimate:
+profiler's allocation events over one warmed-up step (remat_fx.measure.step_peak_bytes); estimate:
 remat.step_report()'s whole-step estimate; time: median of --steps steps; first step: the
 compiling step(s), replans and fit searches included. Writes benchmarks/out/step_<lower>.md.
 """

@@ -8,7 +8,7 @@ The estimate (remat_fx/step.py) is off by what the lowering fuses and what the a
 this runs the real step instead. It runs ``step`` once (compiling every graph of the step), then
 plans all the step's graphs with one shared memory budget, starting from the largest on the grid
 whose whole-step *estimate* fits the limit: each candidate is lowered again, run, and its peak
-measured (CUDA: the allocator's statistics; CPU: the profiler's memory timeline). If it fits, the
+measured (CUDA: the allocator's statistics; CPU: the profiler's allocation events). If it fits, the
 largest budget above it (less recompute) that still fits is found by bisection on the grid (a few
 measurements for the 14 points); if not, smaller budgets are tried until one does. The largest
 budget whose measured peak fits is kept, with its plans in place. If none fits, a
