@@ -7,15 +7,18 @@ eager and per-layer checkpointing, in one run.
     python benchmarks/gpu.py --device cpu --layers 2 --hidden 64 --batch 2 --seq 32 --steps 2   # smoke run
 
 Peak: max_memory_allocated over one step minus memory_allocated before it (CUDA; the profiler's
-memory timeline on CPU), remat_fx.measure.step_peak_bytes; gradients set to None before each step,
+allocation events on CPU), remat_fx.measure.step_peak_bytes; gradients set to None before each step,
 so the peak counts them. Time: median of --steps synchronised steps. First step: the step that
 compiles (with remat.fit, the whole fit), after a warm-up compile of each backend, with Inductor's
-FX graph cache off. bf16 autocast on CUDA. The issue's targets are checked on the rows at the end.
+FX graph cache off and, unless --warm-kernels, each variant in a fresh Inductor cache (a new cache
+folder and its in-memory caches cleared: every kernel is generated and compiled anew, as on a
+first run, so that no variant reuses kernels another compiled before it). bf16 autocast on CUDA. The issue's targets are checked on the rows at the end.
 Writes benchmarks/out/gpu_<model>_<device>.md and .csv.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import statistics
 import sys
@@ -78,7 +81,7 @@ def run_variant(label, args, compile_fn=None, checkpointing=False, budget=None, 
     if budget is not None:
         patch["activation_memory_budget"] = float(budget)
     row = {"variant": label}
-    with torch._functorch.config.patch(**patch):
+    with torch._functorch.config.patch(**patch), _kernel_cache(args.warm_kernels):
         sync(args.device)
         t0 = time.perf_counter()
         if fit is not None:
@@ -116,6 +119,15 @@ def run_variant(label, args, compile_fn=None, checkpointing=False, budget=None, 
     return row
 
 
+def _kernel_cache(warm):
+    """A fresh Inductor cache for one variant (torch's own context manager), or the process's."""
+    if warm:
+        return contextlib.nullcontext()
+    from torch._inductor import utils
+    fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache  # renamed in torch 2.8
+    return fresh()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama", choices=["llama", "gpt2"])
@@ -130,6 +142,8 @@ def main():
     ap.add_argument("--peak-fractions", default="0.5,0")
     ap.add_argument("--fit", default="0.6,0.4", help="remat.fit limits as fractions of eager's peak")
     ap.add_argument("--lower", default="inductor", choices=["inductor", "eager"])
+    ap.add_argument("--warm-kernels", action="store_true",
+                    help="let variants reuse the kernels of earlier ones (default: each in a fresh Inductor cache)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch.set_num_threads (0: PyTorch's default); 1 steadies CPU timings on a shared machine")
     args = ap.parse_args()
