@@ -242,6 +242,35 @@ def test_inductor_plan_recorded_on_every_compile():
         assert {s.reason for s in plan.saved} >= {"backend option save glob"}
 
 
+
+def test_inductor_kernel_cache_is_keyed_by_remat_sources(tmp_path, monkeypatch):
+    """Inductor's FX graph cache keys a compiled graph by config.custom_partitioner_fn's uuid
+    (passes/lower.py RematPartitioner: the options and every remat_fx source file), so kernels
+    compiled under an older remat (another fusion rule, other reruns) are not served after an
+    upgrade. Checked on torch 2.13.0 and 2.14.1."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    from remat_fx.passes import lower
+
+    source = tmp_path / "rule.py"
+    source.write_text("# rule 1\n")
+    monkeypatch.setattr(lower, "_SOURCES", lower._SOURCES + [source])
+    x = torch.randn(32, 32, requires_grad=True)
+
+    def compile_once():
+        torch._dynamo.reset()
+        hit, miss = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+        torch.compile(lambda t: (t.sin() @ t).cos().sum(), backend="remat", options={"memory_budget": 0.5},
+                      fullgraph=True)(x).backward()
+        return counters["inductor"]["fxgraph_cache_hit"] - hit, counters["inductor"]["fxgraph_cache_miss"] - miss
+
+    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True):
+        assert compile_once() == (0, 2)  # (hits, misses) of the forward and the backward
+        assert compile_once() == (2, 0)
+        source.write_text("# rule 2\n")
+        assert compile_once() == (0, 2)
+
 class Holder(torch.nn.Module):
     def __init__(self):
         super().__init__()
