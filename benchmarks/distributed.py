@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import remat_fx  # noqa: E402,F401 (backend="remat")
 from examples.gpt import GPTConfig, make_model, random_batch  # noqa: E402
+from remat_fx import measure  # noqa: E402
 from remat_fx.passes.capture import decompositions  # noqa: E402
 
 
@@ -50,26 +51,10 @@ def _eager_fn(gm, _inputs):
 
 
 def step_peak_bytes(step) -> int:
-    """Highest point of the CPU allocations one call of ``step()`` makes, above its start: the
-    running sum of the profiler's allocation events (+bytes allocated, -bytes freed), in time
-    order. remat_fx.measure's memory timeline fails here at times (its data-flow analysis
-    asserts on tensor versions that FSDP's collectives change), so the raw events are summed."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    allocs, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
-            allocs.append((e.start_time_ns, e.typed[1].alloc_size))
-    level = peak = 0
-    for _, size in sorted(allocs):
-        level += size
-        peak = max(peak, level)
-    return peak
+    """remat_fx.measure's CPU step peak: the running sum of the profiler's allocation events (it
+    does not use the memory timeline, whose data-flow analysis asserts on tensor versions that
+    FSDP's collectives change)."""
+    return measure.step_peak_bytes(step, torch.device("cpu"))
 
 
 def torch_backend():
