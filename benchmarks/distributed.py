@@ -11,7 +11,7 @@ use the eager FX lowering (the partitioned graphs run op by op, Inductor's decom
   ``torch._functorch.config.activation_memory_budget = b``;
 * remat: ``backend="remat"``, ``memory_budget = b`` (1: no budget).
 
-Per rank and variant: the measured step peak (the CPU profiler's allocation events over one
+Per rank and variant: the measured step peak (remat_fx.measure: the CPU profiler's allocation events over one
 warmed-up forward+backward (and zero_grad), highest running total above the start; the lowest
 of 3 measurements in each of ``--rounds`` rounds: FSDP's all-gather buffers are allocated on gloo's
 threads, and where they fall against the compute moves a measurement by up to one buffer) and the
@@ -48,13 +48,6 @@ from remat_fx.passes.capture import decompositions  # noqa: E402
 
 def _eager_fn(gm, _inputs):
     return make_boxed_func(gm.forward)
-
-
-def step_peak_bytes(step) -> int:
-    """remat_fx.measure's CPU step peak: the running sum of the profiler's allocation events (it
-    does not use the memory timeline, whose data-flow analysis asserts on tensor versions that
-    FSDP's collectives change)."""
-    return measure.step_peak_bytes(step, torch.device("cpu"))
 
 
 def torch_backend():
@@ -113,7 +106,7 @@ def main(argv=None) -> None:
             with scope(system, b):
                 step()  # compiles
                 step()
-                peak = min(step_peak_bytes(step) for _ in range(3))  # see the module's docstring
+                peak = min(measure.step_peak_bytes(step, torch.device("cpu")) for _ in range(3))  # module docstring
                 peaks[system, b] = min(peak, peaks.get((system, b), peak))
                 steps = []
                 for _ in range(args.steps):

@@ -12,7 +12,8 @@ so the peak counts them. Time: median of --steps synchronised steps. First step:
 compiles (with remat.fit, the whole fit), after a warm-up compile of each backend, with Inductor's
 FX graph cache off and, unless --warm-kernels, each variant in a fresh Inductor cache (a new cache
 folder and its in-memory caches cleared: every kernel is generated and compiled anew, as on a
-first run, so that no variant reuses kernels another compiled before it). bf16 autocast on CUDA. The issue's targets are checked on the rows at the end.
+first run, so that no variant reuses kernels another compiled before it). bf16 autocast on CUDA.
+The issue's targets are checked on the rows at the end.
 Writes benchmarks/out/gpu_<model>_<device>.md and .csv.
 """
 from __future__ import annotations

@@ -54,7 +54,7 @@ def step_peak_bytes(step: Callable[[], object], device: Optional[torch.device] =
         if size > 0:
             live[ptr] = size
             level += size
-        elif ptr in live:  # a block allocated before the call: see the module's docstring
+        elif ptr in live:  # not a block allocated before the call (see the module's docstring)
             level -= live.pop(ptr)
         peak = max(peak, level)
     return peak
