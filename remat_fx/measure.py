@@ -41,16 +41,18 @@ def step_peak_bytes(step: Callable[[], object], device: Optional[torch.device] =
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    # in time order; at the same time, in the order recorded (the tree in pre-order): a block freed
+    # and its address allocated again in one tick must be seen in that order
+    events, stack = [], list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
     while stack:
         event = stack.pop()
-        stack.extend(event.children)
+        stack.extend(reversed(event.children))
         if event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
             fields = event.typed[1]
-            events.append((event.start_time_ns, fields.alloc_size < 0, fields.alloc_size, fields.ptr))
+            events.append((event.start_time_ns, len(events), fields.alloc_size, fields.ptr))
     live: Dict[int, int] = {}  # address -> bytes, of the blocks this call allocated
     level = peak = 0
-    for _, _, size, ptr in sorted(events):  # in time order, an allocation before a free at the same time
+    for _, _, size, ptr in sorted(events):
         if size > 0:
             live[ptr] = size
             level += size
