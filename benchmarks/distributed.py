@@ -11,8 +11,9 @@ use the eager FX lowering (the partitioned graphs run op by op, Inductor's decom
   ``torch._functorch.config.activation_memory_budget = b``;
 * remat: ``backend="remat"``, ``memory_budget = b`` (1: no budget).
 
-Per rank and variant: the measured step peak (remat_fx.measure: the CPU profiler's allocation events over one
-warmed-up forward+backward (and zero_grad), highest running total above the start; the lowest
+Per rank and variant: the measured step peak (remat_fx.measure: the CPU profiler's allocation
+events over one warmed-up forward+backward (and zero_grad), highest running total above the
+start, frees of earlier memory not credited; the lowest
 of 3 measurements in each of ``--rounds`` rounds: FSDP's all-gather buffers are allocated on gloo's
 threads, and where they fall against the compute moves a measurement by up to one buffer) and the
 step time. Each round builds and compiles every variant again (a Dynamo reset between variants
@@ -106,7 +107,8 @@ def main(argv=None) -> None:
             with scope(system, b):
                 step()  # compiles
                 step()
-                peak = min(measure.step_peak_bytes(step, torch.device("cpu")) for _ in range(3))  # module docstring
+                cpu = torch.device("cpu")
+                peak = min(measure.step_peak_bytes(step, cpu) for _ in range(3))  # the lowest of 3: see above
                 peaks[system, b] = min(peak, peaks.get((system, b), peak))
                 steps = []
                 for _ in range(args.steps):

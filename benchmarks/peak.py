@@ -8,8 +8,9 @@ memory_budget (both lowerings), and remat's peak_budget.
 
 Peak: torch.profiler's allocation events around one warmed-up fwd+bwd step, the highest running
 total of what it allocates less what it frees of that (benchmarks/memory.py step_peak_bytes; it
-sees Inductor's buffers as well as eager ops). remat's static estimate (plan.peak) is shown next to it. ``remat (rerun off)`` rows: remat
-with option rerun=False (no value recomputed a second time), at --no-rerun-budgets. ``peak_budget`` rows ask remat for
+sees Inductor's buffers as well as eager ops). remat's static estimate (plan.peak) is shown next
+to it. ``remat (rerun off)`` rows: remat with option rerun=False (no value recomputed a second
+time), at --no-rerun-budgets. ``peak_budget`` rows ask remat for
 the fastest plan whose estimated peak is at most that fraction of remat's peak without a budget
 (same lowering). Step time: median over --steps interleaved rounds / eager without checkpointing;
 remat against PyTorch at the same budget also as the median [quartiles] of --pair-rounds
