@@ -28,3 +28,42 @@ def test_paired_time_ratios_alternate_the_order_and_divide_b_by_a(monkeypatch):
     assert [round(r, 9) for r in ratios] == [2.5] * 4
     assert log == ["a", "b",  # the unrecorded pair
                    "a", "b", "b", "a", "a", "b", "b", "a"]
+
+
+def _saved_bytes(fn, x):
+    """Bytes the step saves for backward (the compiled graph's saved tensors pass these hooks)."""
+    import torch
+
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(x)
+    out.backward()
+    return sum(saved)
+
+
+def test_torch_budget_backend_keeps_its_budget_beside_another_and_after_a_reset():
+    """Two functions compiled with PyTorch's budget set around their first call shared one graph
+    (Inductor's wrappers compare equal), and after a reset recompiled at the default budget: the
+    benchmark then timed budget 1's graph for every budget. Bound to the backend, each keeps its own."""
+    import torch
+
+    from benchmarks import torch_budget
+
+    w = torch.randn(256, 256, requires_grad=True)
+
+    def loss(x):
+        return ((x @ w).sin() @ w).sin().sum()  # budget 1 saves 1.25 MiB, budget 0 512 KiB
+
+    x = torch.randn(256, 256)
+    full = torch.compile(loss, backend=torch_budget.backend(1.0), fullgraph=True)
+    least = torch.compile(loss, backend=torch_budget.backend(0.0), fullgraph=True)
+    full_bytes, least_bytes = _saved_bytes(full, x), _saved_bytes(least, x)
+    assert least_bytes < full_bytes
+    torch._dynamo.reset()  # as the benchmarks do between variants: each recompiles at its next call
+    assert _saved_bytes(least, x) == least_bytes
+    assert _saved_bytes(full, x) == full_bytes
