@@ -31,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import remat_fx as remat  # noqa: E402
+from benchmarks import torch_budget  # noqa: E402
 from remat_fx.measure import step_peak_bytes  # noqa: E402
 from remat_fx.step import STEP  # noqa: E402
 
@@ -70,7 +71,7 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_variant(label, args, compile_fn=None, checkpointing=False, budget=None, fit=None):
+def run_variant(label, args, compile_fn=None, checkpointing=False, fit=None):
     torch._dynamo.reset()
     STEP.reset()
     model, ids = build(args)
@@ -78,11 +79,8 @@ def run_variant(label, args, compile_fn=None, checkpointing=False, budget=None, 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     fn = model if compile_fn is None else compile_fn(model)
     step = make_step(model, fn, ids, args.device)
-    patch = {"enable_autograd_cache": False}
-    if budget is not None:
-        patch["activation_memory_budget"] = float(budget)
     row = {"variant": label}
-    with torch._functorch.config.patch(**patch), _kernel_cache(args.warm_kernels):
+    with torch._functorch.config.patch(enable_autograd_cache=False), _kernel_cache(args.warm_kernels):
         sync(args.device)
         t0 = time.perf_counter()
         if fit is not None:
@@ -156,7 +154,8 @@ def main():
     rows = [run_variant("eager", args), run_variant("eager, per-layer checkpointing", args, checkpointing=True)]
     eager_peak = rows[0]["peak"]
     for b in floats(args.budgets):
-        rows.append(run_variant(f"PyTorch budget {b:g}", args, lambda m: torch.compile(m), budget=b))
+        rows.append(run_variant(f"PyTorch budget {b:g}", args, lambda m, b=b: torch.compile(
+            m, backend=torch_budget.backend(b))))
     for b in floats(args.budgets):
         rows.append(run_variant(f"remat memory_budget {b:g}", args, lambda m, b=b: torch.compile(
             m, backend="remat", options={"memory_budget": b, "lower": args.lower})))

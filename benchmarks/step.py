@@ -27,6 +27,7 @@ import torch.utils.checkpoint as torch_checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import remat_fx as remat  # noqa: E402
+from benchmarks import torch_budget as pytorch_budget  # noqa: E402
 from remat_fx.measure import step_peak_bytes  # noqa: E402
 from remat_fx.step import STEP  # noqa: E402
 
@@ -62,20 +63,14 @@ def variant(args, options=None, checkpoint=False, torch_budget=None):
     torch.manual_seed(0)
     model = Model(args.d_model, args.layers, checkpoint)
     x = torch.randn(args.batch, args.seq, args.d_model, generator=torch.Generator().manual_seed(1))
-    if torch_budget is not None:  # PyTorch's own budget: the default backend, Inductor
-        run = torch.compile(model)
+    if torch_budget is not None:  # PyTorch's own budget, Inductor
+        run = torch.compile(model, backend=pytorch_budget.backend(torch_budget))
     else:
         run = model if options is None else torch.compile(model, backend="remat", options=options)
 
     def step():
         model.zero_grad(set_to_none=True)
-        if torch_budget is None:
-            run(x).backward()
-            return
-        # compiles at the first call under the budget (no autograd cache: each budget compiles)
-        with torch._functorch.config.patch(activation_memory_budget=float(torch_budget),
-                                           enable_autograd_cache=False):
-            run(x).backward()
+        run(x).backward()
 
     return step
 
