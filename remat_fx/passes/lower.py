@@ -9,32 +9,61 @@ graphs op by op.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import hashlib
+import logging
 import pathlib
 import re
+from typing import Optional
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from remat_fx.memory_budget import fmt_bytes
 from remat_fx.options import BackendOptions
+from remat_fx.passes import lowered_peak
 from remat_fx.passes.capture import decompositions
+from remat_fx.passes.lowered_peak import reading_schedules
 from remat_fx.passes.partition import partition
-from remat_fx.passes.plan import input_names
+from remat_fx.passes.peak import PeakEstimate, PeakInfeasible, backward_inputs
+from remat_fx.passes.plan import input_names, last_plan
+
+log = logging.getLogger("remat_fx")
 
 _SOURCES = sorted((pathlib.Path(__file__).resolve().parents[1]).rglob("*.py"))
 
 
-class RematPartitioner(CustomPartitionerFn):
-    """Our partition as Inductor's ``custom_partitioner_fn``."""
+class _SamePlan(Exception):
+    """The partition chose a plan already lowered (``key``): its compile is cut short."""
 
-    def __init__(self, options: BackendOptions):
+    def __init__(self, key):
+        super().__init__(key)
+        self.key = key
+
+
+def _plan_key(plan) -> tuple:
+    return plan.total_bytes, plan.peak.step, plan.rerun.reruns if plan.rerun is not None else 0
+
+
+class RematPartitioner(CustomPartitionerFn):
+    """Our partition as Inductor's ``custom_partitioner_fn``. ``counted``: the backward's inputs
+    the step's peak counts (saved activations, tangents), for passes/lowered_peak.py; ``skip``:
+    keys (``_plan_key``) of plans already lowered, whose compile raises ``_SamePlan`` instead."""
+
+    def __init__(self, options: BackendOptions, skip=frozenset()):
         self.options = options
+        self.counted: set = set()
+        self.skip = skip
 
     def __call__(self, gm, joint_inputs, **kwargs):
         kwargs.pop("compiler", None)
-        return partition(gm, joint_inputs, options=self.options, **kwargs)
+        fw, bw = partition(gm, joint_inputs, options=self.options, **kwargs)
+        if self.skip and _plan_key(last_plan()) in self.skip:
+            raise _SamePlan(_plan_key(last_plan()))
+        self.counted = backward_inputs(fw, bw, kwargs["num_fwd_outputs"])[0]
+        return fw, bw
 
     def uuid(self):
         digest = hashlib.sha256(repr(self.options.key()).encode())
@@ -110,7 +139,7 @@ def _reruns_of(snode) -> set:
     return found
 
 
-def _compile_keeping_reruns_late(*args, keep_peak: bool = False, **kwargs):
+def _compile_keeping_reruns_late(*args, keep_peak: bool = False, schedules: Optional[dict] = None, **kwargs):
     """Inductor's compile of one graph (forward, or the backward: compiled lazily, at its first
     call), with the fusion choices of _KeepRerunsLate. ``keep_peak`` (a memory or peak budget was
     given): without Inductor's buffer reuse, which keeps a dead buffer alive for a later one of its
@@ -122,7 +151,13 @@ def _compile_keeping_reruns_late(*args, keep_peak: bool = False, **kwargs):
 
     with V.set_choices_handler(_KeepRerunsLate(V.choices)), \
             config.patch(allow_buffer_reuse=config.allow_buffer_reuse and not keep_peak):
-        return compile_fx_inner(*args, **kwargs)
+        if schedules is None:
+            return compile_fx_inner(*args, **kwargs)
+        sink: list = []
+        with reading_schedules(sink):
+            compiled = compile_fx_inner(*args, **kwargs)
+        schedules["backward" if kwargs.get("is_backward") else "forward"] = sink[-1] if sink else None
+        return compiled
 
 
 def _input_names(gm) -> list:
@@ -147,18 +182,99 @@ def lower(gm, example_inputs, options: BackendOptions):
 
 def _lower(gm, example_inputs, options: BackendOptions):
     if options.lower == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        # AOTAutograd's cache would skip our partition on a hit, and with it the Plan:
-        # Inductor's own kernel cache still applies
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            keep_peak = options.memory_budget is not None or options.peak_budget is not None \
-                or options.peak_fraction is not None
-            return compile_fx(gm, example_inputs,
-                              inner_compile=functools.partial(_compile_keeping_reruns_late, keep_peak=keep_peak),
-                              config_patches={"custom_partitioner_fn": RematPartitioner(options)})
+        if options.peak_budget is not None and lowered_peak.available():
+            return _lower_within_peak(gm, example_inputs, options)
+        return _inductor(gm, example_inputs, options)[0]
     backend = aot_autograd(
         fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, decompositions=decompositions(),
         partition_fn=functools.partial(partition, options=options), keep_inference_input_mutations=True,
     )
     return backend(gm, example_inputs)
+
+
+def _inductor(gm, example_inputs, options: BackendOptions, schedules: Optional[dict] = None, skip=frozenset()):
+    """(compiled, its partition's plan) with Inductor; ``schedules``: filled with the forward's and
+    the backward's Schedule (passes/lowered_peak.py), both compiled now; ``skip``: as RematPartitioner's."""
+    from torch._inductor.compile_fx import compile_fx
+
+    partitioner = RematPartitioner(options, skip)
+    keep_peak = options.memory_budget is not None or options.peak_budget is not None \
+        or options.peak_fraction is not None
+    # AOTAutograd's cache would skip our partition on a hit, and with it the Plan:
+    # Inductor's own kernel cache still applies
+    patches = {"enable_autograd_cache": False}
+    if schedules is not None:
+        patches["force_non_lazy_backward_lowering"] = True
+    with torch._functorch.config.patch(**patches):
+        compiled = compile_fx(gm, example_inputs,
+                              inner_compile=functools.partial(_compile_keeping_reruns_late, keep_peak=keep_peak,
+                                                              schedules=schedules),
+                              config_patches={"custom_partitioner_fn": partitioner})
+    if schedules is not None:
+        schedules["counted"] = partitioner.counted
+    return compiled, last_plan()
+
+
+_LOWERINGS = 4  # Inductor compiles of one graph under a byte peak_budget, at most
+_PLANS = 10  # partitions, at most (a plan already lowered is not compiled again)
+_STEP = 0.02  # the least the limit is lowered by after a miss, as a fraction of it (doubling each time)
+
+
+def _lower_within_peak(gm, example_inputs, options: BackendOptions):
+    """A byte ``peak_budget`` under Inductor, checked against the lowered graphs: the plan is the
+    fastest whose FX estimate fits the limit (passes/peak.py fit_peak); when Inductor's schedule of
+    it (passes/lowered_peak.py) peaks over the limit, the graph is planned again under that plan's
+    estimate less the overshoot (less at least ``_STEP`` of the limit, doubling at each miss: a
+    small overshoot alone would find the same plan again) and lowered again, up to ``_LOWERINGS``
+    compiles; a plan already lowered is not compiled again. Past that, or when no plan fits the
+    lowered limit, ``PeakInfeasible`` names what the lowered plans peaked at."""
+    limit = options.peak_budget
+    cap, step, tried, lowered_by_key = limit, _STEP * limit, [], {}
+    for _ in range(_PLANS):
+        schedules: dict = {}
+        try:
+            compiled, plan = _inductor(gm, example_inputs, dataclasses.replace(options, peak_budget=cap), schedules,
+                                       frozenset(lowered_by_key))
+        except _SamePlan as same:
+            est, low = lowered_by_key[same.key]
+        except PeakInfeasible as e:
+            if not tried:
+                raise
+            raise PeakInfeasible(_over_text(limit, tried) + f" Under {fmt_bytes(cap)}, to make room for that, no "
+                                 f"plan fits: {e}") from None
+        else:
+            lowered = _lowered_estimate(plan, schedules)
+            plan.lowered, plan.peak_budget, plan.tightened_to = lowered, limit, (cap if cap != limit else None)
+            if lowered is None or lowered.step <= limit:
+                if tried:
+                    log.info("remat_fx: peak_budget %s met after %d lowerings: Inductor's schedule peaks at %s "
+                             "(planned under %s)", fmt_bytes(limit), len(tried) + 1, fmt_bytes(lowered.step),
+                             fmt_bytes(cap))
+                return compiled
+            est, low = plan.peak.step, lowered.step
+            lowered_by_key[_plan_key(plan)] = (est, low)
+            tried.append((est, low, cap))
+            if len(tried) >= _LOWERINGS:
+                break
+        cap, step = min(cap, est) - max(low - limit, step), 2 * step
+        log.info("remat_fx: a plan estimated at %s for peak_budget %s peaks at %s in Inductor's schedule; "
+                 "planning again under %s", fmt_bytes(est), fmt_bytes(limit), fmt_bytes(low), fmt_bytes(max(cap, 0)))
+        if cap <= 0:
+            break
+    raise PeakInfeasible(_over_text(limit, tried) + " Raise peak_budget to at least the lowest of those, or use "
+                         "remat.fit(step, peak=...) to fit the measured peak.")
+
+
+def _over_text(limit: int, tried) -> str:
+    return (f"remat_fx: peak_budget {fmt_bytes(limit)} ({limit:,} bytes) is not met once the graph is lowered: "
+            + "; ".join(f"a plan estimated at {fmt_bytes(est)} (searched under {fmt_bytes(cap)}) peaks at "
+                        f"{fmt_bytes(low)} ({low:,} bytes) in Inductor's schedule" for est, low, cap in tried) + ".")
+
+
+def _lowered_estimate(plan, schedules: dict) -> Optional[PeakEstimate]:
+    """The plan's step peak from Inductor's schedules of its two graphs (None if either is missing)."""
+    fw, bw = schedules.get("forward"), schedules.get("backward")
+    if fw is None or bw is None or plan is None or plan.peak is None:
+        return None
+    return PeakEstimate(forward=fw.peak(), backward=plan.peak.held + bw.peak(schedules["counted"]),
+                        saved=plan.peak.saved, held=plan.peak.held)

@@ -124,6 +124,11 @@ class Plan:
     moved_just_in_time: int = 0  # recomputed nodes the schedule pass moved later
     rerun: Optional["RerunReport"] = None  # values recomputed a second time to lower the peak (passes/rerun.py)
     graph: Optional[int] = None  # which compiled graph (remat.step_report() lists a step's graphs by it)
+    # a byte peak_budget under Inductor (passes/lower.py): the step peak of Inductor's schedule of the
+    # lowered graphs (passes/lowered_peak.py), and the limit the plan was searched under when the
+    # first plan's schedule peaked over the budget (None: the budget itself)
+    lowered: Optional["PeakEstimate"] = None
+    tightened_to: Optional[int] = None
 
     @property
     def total_flops(self) -> int:
@@ -168,6 +173,11 @@ class Plan:
                                                        f"({self.peak_evaluations} plans estimated)")
             lines.append(f"  estimated step peak {fmt_bytes(self.peak.step)} (forward {fmt_bytes(self.peak.forward)}, "
                          f"backward {fmt_bytes(self.peak.backward)}){cap}")
+        if self.lowered is not None:
+            lines.append(f"  lowered: Inductor's schedule peaks at {fmt_bytes(self.lowered.step)} (forward "
+                         f"{fmt_bytes(self.lowered.forward)}, backward {fmt_bytes(self.lowered.backward)})"
+                         + ("" if self.tightened_to is None else
+                            f"; planned under {fmt_bytes(self.tightened_to)} so that it fits"))
         if self.rerun is not None and self.rerun.reruns:
             r = self.rerun
             lines.append(f"  rerun: {r.reruns} values recomputed a second time ({r.nodes} nodes, {r.flops:,} FLOPs, "
