@@ -52,10 +52,11 @@ class RematPartitioner(CustomPartitionerFn):
     the step's peak counts (saved activations, tangents), for passes/lowered_peak.py; ``skip``:
     keys (``_plan_key``) of plans already lowered, whose compile raises ``_SamePlan`` instead."""
 
-    def __init__(self, options: BackendOptions, skip=frozenset()):
+    def __init__(self, options: BackendOptions, skip=frozenset(), limit: Optional[int] = None):
         self.options = options
         self.counted: set = set()
         self.skip = skip
+        self.limit = options.peak_budget if limit is None else limit  # the byte peak_budget the lowering is checked on
 
     def __call__(self, gm, joint_inputs, **kwargs):
         kwargs.pop("compiler", None)
@@ -139,7 +140,17 @@ def _reruns_of(snode) -> set:
     return found
 
 
-def _compile_keeping_reruns_late(*args, keep_peak: bool = False, schedules: Optional[dict] = None, **kwargs):
+class _OverLimit(Exception):
+    """A backward's schedule peaks over the byte peak_budget: its compile is cut short before
+    Inductor compiles its kernels."""
+
+    def __init__(self, lowered: PeakEstimate):
+        super().__init__(lowered)
+        self.lowered = lowered
+
+
+def _compile_keeping_reruns_late(*args, keep_peak: bool = False, schedules: Optional[dict] = None,
+                                 partitioner: Optional["RematPartitioner"] = None, **kwargs):
     """Inductor's compile of one graph (forward, or the backward: compiled lazily, at its first
     call), with the fusion choices of _KeepRerunsLate. ``keep_peak`` (a memory or peak budget was
     given): without Inductor's buffer reuse, which keeps a dead buffer alive for a later one of its
@@ -154,10 +165,26 @@ def _compile_keeping_reruns_late(*args, keep_peak: bool = False, schedules: Opti
         if schedules is None:
             return compile_fx_inner(*args, **kwargs)
         sink: list = []
-        with reading_schedules(sink):
-            compiled = compile_fx_inner(*args, **kwargs)
-        schedules["backward" if kwargs.get("is_backward") else "forward"] = sink[-1] if sink else None
+        phase = "backward" if kwargs.get("is_backward") else "forward"
+        check = None
+        if phase == "backward" and partitioner is not None and partitioner.options.peak_budget is not None:
+            check = functools.partial(_check_backward, schedules, partitioner)
+        try:
+            with reading_schedules(sink, check):
+                compiled = compile_fx_inner(*args, **kwargs)
+        except Exception as e:  # Inductor wraps what is raised inside it (InductorError)
+            if isinstance(getattr(e, "inner_exception", None), _OverLimit):
+                raise e.inner_exception from None
+            raise
+        schedules[phase] = sink[-1] if sink else None
         return compiled
+
+
+def _check_backward(schedules: dict, partitioner: "RematPartitioner", backward) -> None:
+    """Raises _OverLimit when the step peaks over the byte peak_budget with this backward schedule."""
+    lowered = _lowered_estimate(last_plan(), dict(schedules, backward=backward, counted=partitioner.counted))
+    if lowered is not None and lowered.step > partitioner.limit:
+        raise _OverLimit(lowered)
 
 
 def _input_names(gm) -> list:
@@ -192,12 +219,14 @@ def _lower(gm, example_inputs, options: BackendOptions):
     return backend(gm, example_inputs)
 
 
-def _inductor(gm, example_inputs, options: BackendOptions, schedules: Optional[dict] = None, skip=frozenset()):
+def _inductor(gm, example_inputs, options: BackendOptions, schedules: Optional[dict] = None, skip=frozenset(),
+              limit: Optional[int] = None):
     """(compiled, its partition's plan) with Inductor; ``schedules``: filled with the forward's and
-    the backward's Schedule (passes/lowered_peak.py), both compiled now; ``skip``: as RematPartitioner's."""
+    the backward's Schedule (passes/lowered_peak.py), both compiled now; ``skip``: as RematPartitioner's;
+    ``limit``: a byte peak_budget over which the compile ends at the backward's schedule (_OverLimit)."""
     from torch._inductor.compile_fx import compile_fx
 
-    partitioner = RematPartitioner(options, skip)
+    partitioner = RematPartitioner(options, skip, limit)
     keep_peak = options.memory_budget is not None or options.peak_budget is not None \
         or options.peak_fraction is not None
     # AOTAutograd's cache would skip our partition on a hit, and with it the Plan:
@@ -208,7 +237,8 @@ def _inductor(gm, example_inputs, options: BackendOptions, schedules: Optional[d
     with torch._functorch.config.patch(**patches):
         compiled = compile_fx(gm, example_inputs,
                               inner_compile=functools.partial(_compile_keeping_reruns_late, keep_peak=keep_peak,
-                                                              schedules=schedules),
+                                                              schedules=schedules,
+                                                              partitioner=None if limit is None else partitioner),
                               config_patches={"custom_partitioner_fn": partitioner})
     if schedules is not None:
         schedules["counted"] = partitioner.counted
@@ -234,9 +264,16 @@ def _lower_within_peak(gm, example_inputs, options: BackendOptions):
         schedules: dict = {}
         try:
             compiled, plan = _inductor(gm, example_inputs, dataclasses.replace(options, peak_budget=cap), schedules,
-                                       frozenset(lowered_by_key))
+                                       frozenset(lowered_by_key), limit)
         except _SamePlan as same:
             est, low = lowered_by_key[same.key]
+        except _OverLimit as over:  # the backward's kernels were not compiled
+            plan = last_plan()
+            est, low = plan.peak.step, over.lowered.step
+            lowered_by_key[_plan_key(plan)] = (est, low)
+            tried.append((est, low, cap))
+            if len(tried) >= _LOWERINGS:
+                break
         except PeakInfeasible as e:
             if not tried:
                 raise

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 
 @dataclass(frozen=True)
@@ -123,10 +123,12 @@ def available() -> bool:
 
 
 @contextlib.contextmanager
-def reading_schedules(sink: List[Optional[Schedule]]):
+def reading_schedules(sink: List[Optional[Schedule]], check: Optional[Callable[[Schedule], None]] = None):
     """Inside, each graph Inductor generates code for appends its :class:`Schedule` to ``sink``
-    (None where it could not be read). Inductor's FX graph cache is off inside, since a graph
-    loaded from it is not scheduled again (its kernels' compiled code is still cached)."""
+    (None where it could not be read), and ``check(schedule)`` is called before Inductor compiles
+    the generated kernels: an exception it raises ends the compile there. Inductor's FX graph cache
+    is off inside, since a graph loaded from it is not scheduled again (its kernels' compiled code
+    is still cached)."""
     from torch._inductor import config
     from torch._inductor.scheduler import Scheduler
 
@@ -142,6 +144,8 @@ def reading_schedules(sink: List[Optional[Schedule]]):
         out = real(self, *args, **kwargs)
         reuses = getattr(V.graph.wrapper_code, "reuses", None)
         sink.append(None if timeline is None or reuses is None else _schedule(*timeline, dict(reuses)))
+        if check is not None and sink[-1] is not None:
+            check(sink[-1])
         return out
 
     Scheduler.codegen = codegen
