@@ -6,7 +6,8 @@ remat's memory_budget, against eager PyTorch and eager per-layer torch.utils.che
                                      [--layers 8] [--seq 256] [--batch 4] [--steps 5] [--grads] [--plans]
 
 Per variant: the step's incremental peak (benchmarks/memory.py step_peak_bytes, one warmed-up
-fwd+bwd step), remat's estimate (plan.peak.step), the rerun report, the partition and compile time
+fwd+bwd step), remat's estimate (plan.peak.step), with a byte --peak-budgets the peak of Inductor's
+schedule it was checked on (plan.lowered), the rerun report, the partition and compile time
 and the median step time over --steps interleaved rounds. ``--grads`` checks every variant's
 gradients against eager's (rtol 1e-4). The 4-layer benchmark models of benchmarks/peak.py keep the
 recompute chains short; at 8 layers the peak at small budgets is set by how well the backward's
@@ -123,6 +124,7 @@ def main(argv=None):
         row = dict(label=label, peak=peak / MiB, compile_s=compile_s)
         if plan is not None:
             row.update(est=plan.peak.step / MiB, saved=plan.total_bytes / MiB, part_s=plan.partition_seconds,
+                       lowered=None if plan.lowered is None else plan.lowered.step / MiB,
                        reruns=plan.rerun.reruns if plan.rerun else 0,
                        rerun_ms=plan.rerun.cost_s * 1e3 if plan.rerun else 0.0,
                        allow=(None if plan.rerun is None or plan.rerun.allowance_s is None
@@ -138,7 +140,8 @@ def main(argv=None):
         rows.append(row)
         variants[label] = (model, lambda: loss(ids))
         print(f"{label:24s} peak {peak / MiB:7.2f} MiB" + (
-            f"  est {row['est']:7.2f}  saved {row['saved']:6.2f}  reruns {row['reruns']:3d} "
+            f"  est {row['est']:7.2f}" + ("" if row["lowered"] is None else f"  lowered {row['lowered']:7.2f}")
+            + f"  saved {row['saved']:6.2f}  reruns {row['reruns']:3d} "
             f"({row['rerun_ms']:.2f} ms of {'any' if row['allow'] is None else format(row['allow'], '.2f')})"
             f"  partition {row['part_s']:.1f} s  compile {compile_s:.1f} s" if plan is not None else
             f"  compile {compile_s:.1f} s" if compile_s else ""),
@@ -179,13 +182,14 @@ def main(argv=None):
             r["time_ms"] = statistics.median(times[r["label"]]) * 1e3
             r["time_x"] = r["time_ms"] / (base * 1e3)
     print()
-    print("| variant | peak MiB | est MiB | saved MiB | reruns | step ms | x first | partition s | compile s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| variant | peak MiB | est MiB | lowered MiB | saved MiB | reruns | step ms | x first | partition s | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         def f(k, fmt):
             v = r.get(k)
             return "" if v is None else format(v, fmt)
-        print(f"| {r['label']} | {r['peak']:.2f} | {f('est', '.2f')} | {f('saved', '.2f')} | {f('reruns', 'd')} | "
+        print(f"| {r['label']} | {r['peak']:.2f} | {f('est', '.2f')} | {f('lowered', '.2f')} | {f('saved', '.2f')} | "
+              f"{f('reruns', 'd')} | "
               f"{f('time_ms', '.1f')} | {f('time_x', '.3f')} | {f('part_s', '.1f')} | {f('compile_s', '.1f')} |")
     return rows
 

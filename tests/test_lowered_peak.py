@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import remat_fx as remat
-from remat_fx.measure import step_peak_bytes
 from remat_fx.memory_budget import fmt_bytes
 from remat_fx.passes import lowered_peak
 from remat_fx.passes.lowered_peak import Schedule, _schedule
@@ -58,18 +57,10 @@ def test_byte_peak_budget_holds_on_the_lowered_graphs_where_the_estimate_is_low(
     step runs; the measured step peak is within it and within the budget; gradients are eager's."""
     from argparse import Namespace
 
-    from benchmarks.llama_depth import build, grads_of
+    from benchmarks.llama_depth import build
+    from tests.test_peak import llama_step as run
 
     shape = Namespace(layers=2, hidden=64, intermediate=128, vocab=1000, seq=128, batch=4)
-
-    def run(loss, model, ids):
-        model.zero_grad(set_to_none=True)
-        loss(ids).backward()  # compiles a compiled loss
-        grads = grads_of(model)
-        model.zero_grad(set_to_none=True)
-        peak = step_peak_bytes(lambda: loss(ids).backward())
-        model.zero_grad(set_to_none=True)
-        return grads, peak
 
     model, loss, ids = build(shape)
     want, _ = run(loss, model, ids)

@@ -534,6 +534,20 @@ def test_inductor_kernels_do_not_fuse_across_a_rerun():
     assert choices.can_fuse(scheduler, nodes[0], nodes[19], 0)
 
 
+def llama_step(loss, model, ids):
+    """(gradients, measured step peak) of one step of benchmarks/llama_depth.py's model, after a
+    first step that compiles a compiled ``loss``."""
+    from benchmarks.llama_depth import grads_of
+
+    model.zero_grad(set_to_none=True)
+    loss(ids).backward()
+    grads = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    peak = step_peak_bytes(lambda: loss(ids).backward())
+    model.zero_grad(set_to_none=True)
+    return grads, peak
+
+
 def test_measured_peak_never_rises_as_the_budget_falls_on_an_8_layer_llama_under_inductor():
     """The whole step of an 8-layer Hugging Face Llama (from a LlamaConfig; benchmarks/llama_depth.py)
     lowered by Inductor: the measured step peak (profiler memory timeline) does not rise as the
@@ -542,18 +556,10 @@ def test_measured_peak_never_rises_as_the_budget_falls_on_an_8_layer_llama_under
     it is at or below eager per-layer torch.utils.checkpoint's, with reruns for the least peak they
     find; saved bytes within each budget; gradients equal eager's."""
     from argparse import Namespace
-    from benchmarks.llama_depth import build, grads_of
+    from benchmarks.llama_depth import build
 
     shape = Namespace(layers=8, hidden=128, intermediate=256, vocab=1000, seq=256, batch=4)  # the issue's shape
-
-    def run(loss, model, ids):
-        model.zero_grad(set_to_none=True)
-        loss(ids).backward()  # compiles a compiled loss
-        grads = grads_of(model)
-        model.zero_grad(set_to_none=True)
-        peak = step_peak_bytes(lambda: loss(ids).backward())
-        model.zero_grad(set_to_none=True)
-        return grads, peak
+    run = llama_step
 
     model, loss, ids = build(shape)
     want, _ = run(loss, model, ids)

@@ -262,27 +262,24 @@ def _lower_within_peak(gm, example_inputs, options: BackendOptions):
     cap, step, tried, lowered_by_key = limit, _STEP * limit, [], {}
     for _ in range(_PLANS):
         schedules: dict = {}
+        compiled = lowered = None
         try:
             compiled, plan = _inductor(gm, example_inputs, dataclasses.replace(options, peak_budget=cap), schedules,
                                        frozenset(lowered_by_key), limit)
+            lowered = _lowered_estimate(plan, schedules)
         except _SamePlan as same:
+            plan = None
             est, low = lowered_by_key[same.key]
-        except _OverLimit as over:  # the backward's kernels were not compiled
-            plan = last_plan()
-            est, low = plan.peak.step, over.lowered.step
-            lowered_by_key[_plan_key(plan)] = (est, low)
-            tried.append((est, low, cap))
-            if len(tried) >= _LOWERINGS:
-                break
+        except _OverLimit as over:  # its backward's kernels were not compiled
+            plan, lowered = last_plan(), over.lowered
         except PeakInfeasible as e:
             if not tried:
                 raise
             raise PeakInfeasible(_over_text(limit, tried) + f" Under {fmt_bytes(cap)}, to make room for that, no "
                                  f"plan fits: {e}") from None
-        else:
-            lowered = _lowered_estimate(plan, schedules)
-            plan.lowered, plan.peak_budget, plan.tightened_to = lowered, limit, (cap if cap != limit else None)
-            if lowered is None or lowered.step <= limit:
+        if plan is not None:
+            if compiled is not None and (lowered is None or lowered.step <= limit):
+                plan.lowered, plan.peak_budget, plan.tightened_to = lowered, limit, (cap if cap != limit else None)
                 if tried:
                     log.info("remat_fx: peak_budget %s met after %d lowerings: Inductor's schedule peaks at %s "
                              "(planned under %s)", fmt_bytes(limit), len(tried) + 1, fmt_bytes(lowered.step),
