@@ -23,7 +23,7 @@ def test_schedule_counts_inputs_outputs_and_kernels_written_in_place():
     """Five kernels: ``a`` (100 B) read until kernel 2; ``b`` (50 B) written over the input ``x``
     (50 B, a saved activation, read last by kernel 1) and read until kernel 3; ``c`` (100 B)
     written over ``a`` and read until kernel 4; ``out`` (10 B) a graph output. Inputs count only
-    when named."""
+    when named; a buffer Inductor's code removed (local to one fused kernel) takes nothing."""
     x = SimpleNamespace(name="x")
     infos = [_info("x", 50, 0, 1), _info("a", 100, 0, 2), _info("b", 50, 1, 3), _info("c", 100, 2, 4),
              _info("out", 10, 4, -1)]
@@ -39,6 +39,7 @@ def test_schedule_counts_inputs_outputs_and_kernels_written_in_place():
     assert in_place.live == (100, 100, 100, 100, 110, 10)  # c in a's memory, b in x's
     assert in_place.peak() == 110
     assert in_place.peak({"x"}) == 150
+    assert _schedule(infos, freeable, 5, {}, removed={"b"}).live == (100, 100, 200, 100, 110, 10)  # b never made
     assert Schedule((0, 5), {"y": (7, -1)}, 1).peak({"y"}) == 12  # an input that is an output stays
 
 
@@ -54,7 +55,8 @@ def test_byte_peak_budget_holds_on_the_lowered_graphs_where_the_estimate_is_low(
     the fastest plan whose FX estimate fits 3.5 MiB (3.48 MiB estimated) peaks at 3.74 MiB in
     Inductor's schedule, so the graph is planned again under a limit lowered by the overshoot (its
     backward's kernels are not compiled). The plan carries Inductor's schedule of both graphs, compiled before the first
-    step runs; the measured step peak is within it and within the budget; gradients are eager's."""
+    step runs; it equals the measured step peak (to the bytes of autograd's seed gradient); the
+    measured peak is within the budget; gradients are eager's."""
     from argparse import Namespace
 
     from benchmarks.llama_depth import build
@@ -73,7 +75,9 @@ def test_byte_peak_budget_holds_on_the_lowered_graphs_where_the_estimate_is_low(
     assert plan.lowered is not None and plan.peak_budget == limit
     assert plan.tightened_to is not None and plan.tightened_to < limit  # the first plan's schedule was over
     assert plan.lowered.saved == plan.peak.saved
-    assert peak <= plan.lowered.step <= limit, (peak, plan.lowered, plan.peak)
+    assert plan.lowered.step <= limit and peak <= limit, (peak, plan.lowered, plan.peak)
+    # Inductor's schedule is the measured peak, but for the seed gradient autograd makes for loss.backward()
+    assert abs(peak - plan.lowered.step) <= 64, (peak, plan.lowered, plan.peak)
     assert f"lowered: Inductor's schedule peaks at {fmt_bytes(plan.lowered.step)}" in str(plan)
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6)

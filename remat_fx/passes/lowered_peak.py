@@ -69,10 +69,11 @@ def _timeline(scheduler):
     return infos, freeable, len(nodes)
 
 
-def _schedule(infos, freeable, n: int, reuses: Dict[str, str]) -> Schedule:
+def _schedule(infos, freeable, n: int, reuses: Dict[str, str], removed: Set[str] = frozenset()) -> Schedule:
     """The Schedule of buffer ``infos``; ``reuses`` {output: input} are the kernels Inductor's code
     writes over an input that dies there (its wrapper's in-place reuses): the output takes no memory
-    of its own, the input's lives on until the output's last reader."""
+    of its own, the input's lives on until the output's last reader; ``removed``: buffers its code
+    never allocates (read and written only inside one fused kernel)."""
     end = {_name(i): i.end_step for i in infos}
     reused = set(reuses.values())
 
@@ -90,8 +91,8 @@ def _schedule(infos, freeable, n: int, reuses: Dict[str, str]) -> Schedule:
         if name in freeable and info.buffer is freeable[name]:
             inputs[name] = (info.size_free, last(name))
             continue
-        if name in reuses:
-            continue  # written over an input: its memory is counted with that input's
+        if name in reuses or name in removed:
+            continue  # written over an input (its memory is counted with that input's), or never allocated
         delta[info.start_step] += info.size_alloc
         stop = last(name)
         if stop != -1:
@@ -143,7 +144,8 @@ def reading_schedules(sink: List[Optional[Schedule]], check: Optional[Callable[[
             timeline = None
         out = real(self, *args, **kwargs)
         reuses = getattr(V.graph.wrapper_code, "reuses", None)
-        sink.append(None if timeline is None or reuses is None else _schedule(*timeline, dict(reuses)))
+        removed = set(getattr(V.graph, "removed_buffers", ())) - set(V.graph.get_output_names())
+        sink.append(None if timeline is None or reuses is None else _schedule(*timeline, dict(reuses), removed))
         if check is not None and sink[-1] is not None:
             check(sink[-1])
         return out
