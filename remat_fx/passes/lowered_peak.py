@@ -7,12 +7,13 @@ Llama the model's estimate was 1.2-1.8 MiB (3-10%) under the measured peak at ev
 and ordered them, its scheduler knows every buffer it will allocate, its size and the kernel that
 last reads it (``torch._inductor.memory``, the model Inductor's own ``reorder_for_peak_memory``
 uses), and its code generator which kernels write their output over an input that dies there
-(the wrapper's in-place ``reuses``). :func:`reading_schedules` reads both, for each graph compiled
-inside it, and counts as passes/peak.py does: a forward's inputs (parameters, the batch) exist
-before the step and are not counted, a backward's saved activations and tangents are, each freed
-after the kernel that last reads it. On the 8-layer Llama this equals the measured step peak at
-memory budgets 1 and 0 and is 0.7-1.0 MiB over it at 0.5 / 0.3 / 0.15 (the FX estimate: 3.4 MiB
-over to 1.6 MiB under): passes/lower.py checks a byte ``peak_budget`` against it.
+(the wrapper's in-place ``reuses``) and which buffers it never allocates (``removed_buffers``:
+local to one fused kernel). :func:`reading_schedules` reads them, for each graph compiled inside
+it, and counts as passes/peak.py does: a forward's inputs (parameters, the batch) exist before
+the step and are not counted, a backward's saved activations and tangents are, each freed after
+the kernel that last reads it. On the 8-layer Llama this equals the measured step peak at memory
+budgets 1 / 0.5 / 0.3 / 0.15 / 0 (the FX estimate: 3.4 MiB over to 1.6 MiB under):
+passes/lower.py checks a byte ``peak_budget`` against it.
 
 Private torch surface, all of it here: ``Scheduler.codegen`` (wrapped for the length of one
 compile), ``torch._inductor.memory`` (``get_freeable_input_buf``,
