@@ -21,7 +21,6 @@ The measured fit (``remat.fit``, remat_fx/fit.py) uses the same pieces with meas
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import logging
@@ -39,6 +38,7 @@ from remat_fx.memory_budget import Budget, fmt_bytes
 from remat_fx.options import BackendOptions
 from remat_fx.passes import partition as _partition
 from remat_fx.passes.budget import BudgetInfeasible
+from remat_fx.passes.lower import copy_dynamo_graph as _copy_dynamo_graph
 from remat_fx.passes.lower import lower
 from remat_fx.passes.peak import PeakInfeasible
 from remat_fx.passes.plan import Plan, last_plan
@@ -121,22 +121,6 @@ def graph_key(gm: fx.GraphModule, example_inputs) -> str:
             digest.update(repr(type(x).__name__).encode())
     digest.update(torch.__version__.encode())
     return digest.hexdigest()[:24]
-
-
-def _copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of a graph Dynamo made, with what AOTAutograd reads of Dynamo's private metadata to
-    tell parameters from activations (``gm.meta``, ``gm._param_name_to_source``, each placeholder's
-    ``_dynamo_source``; torch 2.13/2.14). Without them a graph lowered again counts the parameters
-    as saved activations and their gradients as nothing."""
-    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    copied.meta = dict(gm.meta)
-    for name in ("_param_name_to_source", "_source_to_user_stacks"):
-        if hasattr(gm, name):
-            setattr(copied, name, getattr(gm, name))
-    for old, new in zip(gm.graph.find_nodes(op="placeholder"), copied.graph.find_nodes(op="placeholder")):
-        if hasattr(old, "_dynamo_source"):
-            new._dynamo_source = old._dynamo_source
-    return copied
 
 
 class CompiledGraph:

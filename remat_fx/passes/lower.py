@@ -9,6 +9,7 @@ graphs op by op.
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -18,6 +19,7 @@ import re
 from typing import Optional
 
 import torch
+import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
@@ -35,34 +37,22 @@ log = logging.getLogger("remat_fx")
 _SOURCES = sorted((pathlib.Path(__file__).resolve().parents[1]).rglob("*.py"))
 
 
-class _SamePlan(Exception):
-    """The partition chose a plan already lowered (``key``): its compile is cut short."""
-
-    def __init__(self, key):
-        super().__init__(key)
-        self.key = key
-
-
-def _plan_key(plan) -> tuple:
-    return plan.total_bytes, plan.peak.step, plan.rerun.reruns if plan.rerun is not None else 0
-
-
 class RematPartitioner(CustomPartitionerFn):
-    """Our partition as Inductor's ``custom_partitioner_fn``. ``counted``: the backward's inputs
-    the step's peak counts (saved activations, tangents), for passes/lowered_peak.py; ``skip``:
-    keys (``_plan_key``) of plans already lowered, whose compile raises ``_SamePlan`` instead."""
+    """Our partition as Inductor's ``custom_partitioner_fn``. ``plan``: the plan it made (None
+    until it runs: an inference graph has none); ``counted``: the backward's inputs the step's
+    peak counts (saved activations, tangents), and ``limit``: the byte peak_budget its lowering
+    is checked on, for passes/lowered_peak.py."""
 
-    def __init__(self, options: BackendOptions, skip=frozenset(), limit: Optional[int] = None):
+    def __init__(self, options: BackendOptions, limit: Optional[int] = None):
         self.options = options
+        self.plan = None
         self.counted: set = set()
-        self.skip = skip
-        self.limit = options.peak_budget if limit is None else limit  # the byte peak_budget the lowering is checked on
+        self.limit = limit
 
     def __call__(self, gm, joint_inputs, **kwargs):
         kwargs.pop("compiler", None)
         fw, bw = partition(gm, joint_inputs, options=self.options, **kwargs)
-        if self.skip and _plan_key(last_plan()) in self.skip:
-            raise _SamePlan(_plan_key(last_plan()))
+        self.plan = last_plan()
         self.counted = backward_inputs(fw, bw, kwargs["num_fwd_outputs"])[0]
         return fw, bw
 
@@ -142,11 +132,11 @@ def _reruns_of(snode) -> set:
 
 class _OverLimit(Exception):
     """A backward's schedule peaks over the byte peak_budget: its compile is cut short before
-    Inductor compiles its kernels."""
+    Inductor compiles its kernels (on CPU; Triton kernels may already be queued)."""
 
-    def __init__(self, lowered: PeakEstimate):
+    def __init__(self, lowered: PeakEstimate, plan):
         super().__init__(lowered)
-        self.lowered = lowered
+        self.lowered, self.plan = lowered, plan
 
 
 def _compile_keeping_reruns_late(*args, keep_peak: bool = False, schedules: Optional[dict] = None,
@@ -167,7 +157,7 @@ def _compile_keeping_reruns_late(*args, keep_peak: bool = False, schedules: Opti
         sink: list = []
         phase = "backward" if kwargs.get("is_backward") else "forward"
         check = None
-        if phase == "backward" and partitioner is not None and partitioner.options.peak_budget is not None:
+        if phase == "backward" and partitioner is not None and partitioner.limit is not None:
             check = functools.partial(_check_backward, schedules, partitioner)
         try:
             with reading_schedules(sink, check):
@@ -182,9 +172,9 @@ def _compile_keeping_reruns_late(*args, keep_peak: bool = False, schedules: Opti
 
 def _check_backward(schedules: dict, partitioner: "RematPartitioner", backward) -> None:
     """Raises _OverLimit when the step peaks over the byte peak_budget with this backward schedule."""
-    lowered = _lowered_estimate(last_plan(), dict(schedules, backward=backward, counted=partitioner.counted))
+    lowered = _lowered_estimate(partitioner.plan, dict(schedules, backward=backward, counted=partitioner.counted))
     if lowered is not None and lowered.step > partitioner.limit:
-        raise _OverLimit(lowered)
+        raise _OverLimit(lowered, partitioner.plan)
 
 
 def _input_names(gm) -> list:
@@ -219,14 +209,14 @@ def _lower(gm, example_inputs, options: BackendOptions):
     return backend(gm, example_inputs)
 
 
-def _inductor(gm, example_inputs, options: BackendOptions, schedules: Optional[dict] = None, skip=frozenset(),
+def _inductor(gm, example_inputs, options: BackendOptions, schedules: Optional[dict] = None,
               limit: Optional[int] = None):
-    """(compiled, its partition's plan) with Inductor; ``schedules``: filled with the forward's and
-    the backward's Schedule (passes/lowered_peak.py), both compiled now; ``skip``: as RematPartitioner's;
-    ``limit``: a byte peak_budget over which the compile ends at the backward's schedule (_OverLimit)."""
+    """(compiled, its partition's plan or None) with Inductor; ``schedules``: filled with the
+    forward's and the backward's Schedule (passes/lowered_peak.py), both compiled now; ``limit``: a
+    byte peak_budget over which the compile ends at the backward's schedule (_OverLimit)."""
     from torch._inductor.compile_fx import compile_fx
 
-    partitioner = RematPartitioner(options, skip, limit)
+    partitioner = RematPartitioner(options, limit)
     keep_peak = options.memory_budget is not None or options.peak_budget is not None \
         or options.peak_fraction is not None
     # AOTAutograd's cache would skip our partition on a hit, and with it the Plan:
@@ -242,11 +232,10 @@ def _inductor(gm, example_inputs, options: BackendOptions, schedules: Optional[d
                               config_patches={"custom_partitioner_fn": partitioner})
     if schedules is not None:
         schedules["counted"] = partitioner.counted
-    return compiled, last_plan()
+    return compiled, partitioner.plan
 
 
 _LOWERINGS = 4  # Inductor compiles of one graph under a byte peak_budget, at most
-_PLANS = 10  # partitions, at most (a plan already lowered is not compiled again)
 _STEP = 0.02  # the least the limit is lowered by after a miss, as a fraction of it (doubling each time)
 
 
@@ -255,48 +244,65 @@ def _lower_within_peak(gm, example_inputs, options: BackendOptions):
     fastest whose FX estimate fits the limit (passes/peak.py fit_peak); when Inductor's schedule of
     it (passes/lowered_peak.py) peaks over the limit, the graph is planned again under that plan's
     estimate less the overshoot (less at least ``_STEP`` of the limit, doubling at each miss: a
-    small overshoot alone would find the same plan again) and lowered again, up to ``_LOWERINGS``
-    compiles; a plan already lowered is not compiled again. Past that, or when no plan fits the
-    lowered limit, ``PeakInfeasible`` names what the lowered plans peaked at."""
+    small overshoot alone would leave the next plan's estimate close to this one's) and lowered
+    again, up to ``_LOWERINGS`` compiles, each from a copy of the graph as Dynamo made it
+    (Inductor's passes rewrite the graph they are given). Past that, or when no plan fits the
+    lowered limit, ``PeakInfeasible`` names what the lowered plans peaked at. A graph without a
+    backward (inference) is compiled once, as it is."""
     limit = options.peak_budget
-    cap, step, tried, lowered_by_key = limit, _STEP * limit, [], {}
-    for _ in range(_PLANS):
+    pristine = copy_dynamo_graph(gm)
+    cap, step, tried = limit, _STEP * limit, []
+    for attempt in range(_LOWERINGS):
         schedules: dict = {}
         compiled = lowered = None
         try:
-            compiled, plan = _inductor(gm, example_inputs, dataclasses.replace(options, peak_budget=cap), schedules,
-                                       frozenset(lowered_by_key), limit)
-            lowered = _lowered_estimate(plan, schedules)
-        except _SamePlan as same:
-            plan = None
-            est, low = lowered_by_key[same.key]
+            compiled, plan = _inductor(gm if attempt == 0 else copy_dynamo_graph(pristine), example_inputs,
+                                       dataclasses.replace(options, peak_budget=cap), schedules, limit)
         except _OverLimit as over:  # its backward's kernels were not compiled
-            plan, lowered = last_plan(), over.lowered
+            plan, lowered = over.plan, over.lowered
         except PeakInfeasible as e:
             if not tried:
                 raise
-            raise PeakInfeasible(_over_text(limit, tried) + f" Under {fmt_bytes(cap)}, to make room for that, no "
-                                 f"plan fits: {e}") from None
-        if plan is not None:
-            if compiled is not None and (lowered is None or lowered.step <= limit):
-                plan.lowered, plan.peak_budget, plan.tightened_to = lowered, limit, (cap if cap != limit else None)
+            least = str(e).split(". Raise")[0].split(": the lowest is ")[-1]
+            raise PeakInfeasible(_over_text(limit, tried) + f" Under {fmt_bytes(cap)}, which would make room for "
+                                 f"that, no plan's estimate fits (the lowest is {least}). Raise peak_budget, or use "
+                                 f"remat.fit(step, peak=...) to fit the measured peak.") from None
+        if plan is None:
+            return compiled  # no partition ran: nothing saved for a backward
+        if compiled is not None:
+            lowered = _lowered_estimate(plan, schedules)
+            plan.lowered, plan.peak_budget, plan.tightened_to = lowered, limit, (cap if cap != limit else None)
+            if lowered is None or lowered.step <= limit:
                 if tried:
-                    log.info("remat_fx: peak_budget %s met after %d lowerings: Inductor's schedule peaks at %s "
-                             "(planned under %s)", fmt_bytes(limit), len(tried) + 1, fmt_bytes(lowered.step),
-                             fmt_bytes(cap))
+                    log.info("remat_fx: peak_budget %s met after %d lowerings (planned under %s): Inductor's "
+                             "schedule peaks at %s", fmt_bytes(limit), len(tried) + 1, fmt_bytes(cap),
+                             "?" if lowered is None else fmt_bytes(lowered.step))
                 return compiled
-            est, low = plan.peak.step, lowered.step
-            lowered_by_key[_plan_key(plan)] = (est, low)
-            tried.append((est, low, cap))
-            if len(tried) >= _LOWERINGS:
-                break
+        est, low = plan.peak.step, lowered.step
+        tried.append((est, low, cap))
         cap, step = min(cap, est) - max(low - limit, step), 2 * step
-        log.info("remat_fx: a plan estimated at %s for peak_budget %s peaks at %s in Inductor's schedule; "
-                 "planning again under %s", fmt_bytes(est), fmt_bytes(limit), fmt_bytes(low), fmt_bytes(max(cap, 0)))
-        if cap <= 0:
+        if cap <= 0 or attempt == _LOWERINGS - 1:
             break
+        log.info("remat_fx: a plan estimated at %s for peak_budget %s peaks at %s in Inductor's schedule; "
+                 "planning again under %s", fmt_bytes(est), fmt_bytes(limit), fmt_bytes(low), fmt_bytes(cap))
     raise PeakInfeasible(_over_text(limit, tried) + " Raise peak_budget to at least the lowest of those, or use "
                          "remat.fit(step, peak=...) to fit the measured peak.")
+
+
+def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a graph Dynamo made, with what AOTAutograd reads of Dynamo's private metadata to
+    tell parameters from activations (``gm.meta``, ``gm._param_name_to_source``, each placeholder's
+    ``_dynamo_source``; torch 2.13/2.14). Without them a graph lowered again counts the parameters
+    as saved activations and their gradients as nothing."""
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    copied.meta = dict(gm.meta)
+    for name in ("_param_name_to_source", "_source_to_user_stacks"):
+        if hasattr(gm, name):
+            setattr(copied, name, getattr(gm, name))
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"), copied.graph.find_nodes(op="placeholder")):
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    return copied
 
 
 def _over_text(limit: int, tried) -> str:

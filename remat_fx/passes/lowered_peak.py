@@ -22,12 +22,17 @@ compile), ``torch._inductor.memory`` (``get_freeable_input_buf``,
 force_non_lazy_backward_lowering`` (passes/lower.py: the backward compiled with the forward, so
 both schedules are known before the first step runs). Checked on torch 2.13.0 and 2.14.1
 (tests/test_lowered_peak.py); where a name is missing the figure is None and nothing is checked.
+The wrap of ``Scheduler.codegen`` is process-wide while it lasts: a graph another thread
+schedules meanwhile would be read as this compile's (remat compiles on the calling thread).
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Set, Tuple
+
+log = logging.getLogger("remat_fx")
 
 
 @dataclass(frozen=True)
@@ -56,26 +61,39 @@ class Schedule:
 
 
 def _timeline(scheduler):
-    """(buffer infos of ``torch._inductor.memory``, the freeable graph inputs, the kernel count)."""
+    """(buffer infos of ``torch._inductor.memory`` for the graph's own buffers, {graph input: (bytes,
+    last step reading it)}, the kernel count). Inputs are read here rather than from Inductor's
+    freeable inputs, which leave out tangents and every name starting with ``arg`` or ``primals_``."""
     from torch._inductor import memory
     from torch._inductor.virtualized import V
 
     nodes = list(scheduler.nodes)
     outputs = set(V.graph.get_output_names())
-    freeable = memory.get_freeable_input_buf(nodes, set(V.graph.graph_inputs.keys()))
+    graph_inputs = set(V.graph.graph_inputs.keys())
+    freeable = memory.get_freeable_input_buf(nodes, graph_inputs)
     memory.assign_memory_planning_info_for_scheduler_buffers(nodes, scheduler.name_to_buf)
     memory.assign_memory_planning_info_for_scheduler_nodes(nodes, scheduler.name_to_fused_node,
                                                            scheduler.name_to_buf, freeable)
     infos, _, _ = memory.compute_memory_timeline(nodes, freeable, outputs)
-    return infos, freeable, len(nodes)
+    own = [i for i in infos if not (_name(i) in freeable and i.buffer is freeable[_name(i)])]
+    inputs: Dict[str, Tuple[int, int]] = {}
+    for step, node in enumerate(nodes):
+        for dep in node.read_writes.reads:
+            if dep.name in graph_inputs:
+                nbytes = max(inputs.get(dep.name, (0, 0))[0], V.graph.get_dep_size_hint(dep))
+                inputs[dep.name] = (nbytes, -1 if dep.name in outputs else step)
+    return own, inputs, len(nodes)
 
 
-def _schedule(infos, freeable, n: int, reuses: Dict[str, str], removed: Set[str] = frozenset()) -> Schedule:
-    """The Schedule of buffer ``infos``; ``reuses`` {output: input} are the kernels Inductor's code
+def _schedule(infos, inputs: Dict[str, Tuple[int, int]], n: int, reuses: Dict[str, str],
+              removed: Set[str] = frozenset()) -> Schedule:
+    """The Schedule of the graph's own buffer ``infos`` and its ``inputs`` {name: (bytes, last step
+    reading it, -1 for a graph output)}; ``reuses`` {output: input} are the kernels Inductor's code
     writes over an input that dies there (its wrapper's in-place reuses): the output takes no memory
     of its own, the input's lives on until the output's last reader; ``removed``: buffers its code
     never allocates (read and written only inside one fused kernel)."""
     end = {_name(i): i.end_step for i in infos}
+    end.update({name: last for name, (_, last) in inputs.items()})
     reused = set(reuses.values())
 
     def last(name):  # where the memory of ``name`` is freed, following the buffers written over it
@@ -86,12 +104,8 @@ def _schedule(infos, freeable, n: int, reuses: Dict[str, str], removed: Set[str]
         return end.get(name, -1)
 
     delta = [0] * (n + 2)
-    inputs: Dict[str, Tuple[int, int]] = {}
     for info in infos:
         name = _name(info)
-        if name in freeable and info.buffer is freeable[name]:
-            inputs[name] = (info.size_free, last(name))
-            continue
         if name in reuses or name in removed:
             continue  # written over an input (its memory is counted with that input's), or never allocated
         delta[info.start_step] += info.size_alloc
@@ -102,7 +116,7 @@ def _schedule(infos, freeable, n: int, reuses: Dict[str, str], removed: Set[str]
     for i in range(n + 1):
         acc += delta[i]
         live.append(acc)
-    return Schedule(tuple(live), inputs, n)
+    return Schedule(tuple(live), {name: (nbytes, last(name)) for name, (nbytes, _) in inputs.items()}, n)
 
 
 def _name(info) -> str:
@@ -142,6 +156,8 @@ def reading_schedules(sink: List[Optional[Schedule]], check: Optional[Callable[[
         try:
             timeline = _timeline(self)
         except Exception:  # a torch whose memory model differs: no figure, nothing checked
+            log.warning("remat_fx: Inductor's schedule could not be read (peak_budget is checked on the FX "
+                        "estimate alone for this graph)", exc_info=True)
             timeline = None
         out = real(self, *args, **kwargs)
         reuses = getattr(V.graph.wrapper_code, "reuses", None)
