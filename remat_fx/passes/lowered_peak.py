@@ -38,7 +38,7 @@ log = logging.getLogger("remat_fx")
 @dataclass(frozen=True)
 class Schedule:
     """One graph as Inductor scheduled it: the bytes its own buffers hold at each kernel, and each
-    freeable graph input's bytes and the kernel that last reads it."""
+    graph input's bytes and the kernel that last reads it (or that last reads what is written over it)."""
 
     live: Tuple[int, ...]  # bytes of the graph's own buffers at each step (kernel) 0..n
     inputs: Dict[str, Tuple[int, int]]  # input name -> (bytes, last step reading it; -1: a graph output)
@@ -147,7 +147,6 @@ def reading_schedules(sink: List[Optional[Schedule]], check: Optional[Callable[[
     is still cached)."""
     from torch._inductor import config
     from torch._inductor.scheduler import Scheduler
-
     from torch._inductor.virtualized import V
 
     real = Scheduler.codegen
