@@ -49,6 +49,11 @@ class RematPartitioner(CustomPartitionerFn):
         self.counted: set = set()
         self.limit = limit
 
+    def __getstate__(self):
+        # Inductor pickles its config (this included) into the FX graph cache's entries: the plan
+        # made here does not pickle, and an entry that fails to is not stored
+        return {"options": self.options, "plan": None, "counted": set(), "limit": self.limit}
+
     def __call__(self, gm, joint_inputs, **kwargs):
         kwargs.pop("compiler", None)
         fw, bw = partition(gm, joint_inputs, options=self.options, **kwargs)
