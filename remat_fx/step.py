@@ -21,6 +21,7 @@ The measured fit (``remat.fit``, remat_fx/fit.py) uses the same pieces with meas
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -123,6 +124,32 @@ def graph_key(gm: fx.GraphModule, example_inputs) -> str:
     return digest.hexdigest()[:24]
 
 
+@dataclass(frozen=True)
+class _GlobalState:
+    """Grad mode and autocast (per device type) when a graph was first compiled."""
+
+    grad: bool
+    autocast: Tuple[Tuple[str, bool, torch.dtype], ...]
+    autocast_cache: bool
+
+    DEVICES = ("cpu", "cuda")
+
+    @classmethod
+    def now(cls) -> "_GlobalState":
+        return cls(torch.is_grad_enabled(),
+                   tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in cls.DEVICES),
+                   torch.is_autocast_cache_enabled())
+
+    @contextlib.contextmanager
+    def restored(self):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            for device, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled,
+                                                   cache_enabled=self.autocast_cache))
+            yield
+
+
 class CompiledGraph:
     """The callable the backend hands Dynamo for one graph: the lowered graph, its plan, and
     what the step coordinator needs to plan it again (the Dynamo graph and its example inputs,
@@ -141,6 +168,10 @@ class CompiledGraph:
         self.pristine = _copy_dynamo_graph(gm)
         context = TracingContext.try_get()
         self.fake_mode = context.fake_mode if context is not None else None
+        # the global state AOTAutograd traces under (Dynamo guards on it: the graph only runs under
+        # it): a later lowering, from remat.fit or the whole-step plan, outside the user's
+        # torch.autocast, must trace under it too, or it lowers the graph in float32
+        self.global_state = _GlobalState.now()
         self.fn: Optional[Callable] = None
         self.plan: Optional[Plan] = None  # None: an inference graph (nothing saved for backward)
         self.joint = None  # (joint graph, joint inputs, partition kwargs)
@@ -187,7 +218,8 @@ class CompiledGraph:
         from torch._guards import TracingContext, detect_fake_mode, tracing
 
         self.gm = _copy_dynamo_graph(self.pristine)
-        with tracing(TracingContext(self.fake_mode or detect_fake_mode(self.example_inputs))):
+        with tracing(TracingContext(self.fake_mode or detect_fake_mode(self.example_inputs))), \
+                self.global_state.restored():
             self.compile(options)
 
     def estimate(self, options: BackendOptions) -> Plan:
@@ -211,6 +243,9 @@ class CompiledGraph:
                     and not isinstance(next((a for a in args if isinstance(a, torch.Tensor)), None), FakeTensor))
         if training:
             STEP.enter(self)
+            if STEP.leaves is not None:  # remat.fit: the step's parameters (one graph may serve several blocks)
+                STEP.leaves.update((id(a), weakref.ref(a)) for a in args
+                                   if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad)
         out = self.fn(*args)
         if training:
             STEP.watch(self, out)
@@ -257,6 +292,7 @@ class _Step:
         self.calls: List[Tuple[CompiledGraph, Callable]] = []  # (graph, weak reference to its _Pending)
         self.last: List[CompiledGraph] = []  # the calls of the last step
         self.backward_began = False
+        self.leaves: Optional[Dict[int, weakref.ref]] = None  # while remat.fit collects them: the inputs needing grad
         self.planned: Dict[tuple, object] = {}  # step signature -> shared fraction chosen (None: kept)
         self.step_plan: Optional[StepPlan] = None  # the last whole-step plan (plan_step)
 
