@@ -552,7 +552,7 @@ def test_measured_peak_never_rises_as_the_budget_falls_on_an_8_layer_llama_under
     """The whole step of an 8-layer Hugging Face Llama (from a LlamaConfig; benchmarks/llama_depth.py)
     lowered by Inductor: the measured step peak (profiler memory timeline) does not rise as the
     memory budget falls from 1 to 0, nor does remat's estimate (the monotone envelope,
-    passes/peak.py monotone_peak; 0.4 and 0.15 lie off its grid of 0.05-0.1 steps); at 0
+    passes/peak.py monotone_peak; the low end, where PyTorch's peak rises again); at 0
     it is at or below eager per-layer torch.utils.checkpoint's, with reruns for the least peak they
     find; saved bytes within each budget; gradients equal eager's."""
     from argparse import Namespace
@@ -566,7 +566,7 @@ def test_measured_peak_never_rises_as_the_budget_falls_on_an_8_layer_llama_under
     model, loss, ids = build(shape, checkpoint=True)
     _, per_layer = run(loss, model, ids)
     peaks, estimates = {}, {}
-    for budget in (1.0, 0.4, 0.15, 0.0):
+    for budget in (1.0, 0.15, 0.0):  # 0.4 too before: 50 s of the suite's 15 minutes
         torch._dynamo.reset()
         model, loss, ids = build(shape)
         compiled = torch.compile(loss, backend="remat", fullgraph=True,
