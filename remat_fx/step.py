@@ -376,7 +376,16 @@ def graph_options(options: BackendOptions, before: Optional[Sequence[CompiledGra
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) -> CompiledGraph:
-    """Lower one graph for the backend, planned for the step it is part of."""
+    """Lower one graph for the backend, planned for the step it is part of. Under a process group,
+    a budgeted graph that one rank cannot plan fails on every rank (remat_fx/ranks.py)."""
+    from remat_fx.ranks import on_every_rank
+
+    budgeted = any(v is not None for v in (options.memory_budget, options.peak_budget, options.peak_fraction,
+                                           options.step_peak))
+    return on_every_rank(lambda: _compile_graph(gm, example_inputs, options), budgeted)
+
+
+def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) -> CompiledGraph:
     from remat_fx import measured_fit as _fit
 
     graph = CompiledGraph(gm, example_inputs, options, graph_key(gm, example_inputs))
