@@ -183,15 +183,15 @@ def main():
             row = {"variant": label, "peak": 0, "ms": 0.0, "first_s": 0.0,
                    "fit": f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"}
             torch._dynamo.reset()
-            if args.device.type == "cuda":
-                torch.cuda.empty_cache()
+        if args.device.type == "cuda":
+            torch.cuda.empty_cache()
         rows.append(row)
         write(out, args, head, rows)
         return row
 
     measure("eager")
     measure("eager, per-layer checkpointing", checkpointing=True)
-    eager_peak = rows[0]["peak"]
+    eager_peak = rows[0]["peak"] if rows and rows[0]["peak"] else 0
     # PyTorch's and remat's compile at the same budget side by side: a run cut short keeps pairs
     for b in floats(args.budgets):
         measure(f"PyTorch budget {b:g}", lambda m, b=b: torch.compile(m, backend=torch_budget.backend(b)))
@@ -200,7 +200,7 @@ def main():
     for f in floats(args.peak_fractions):
         measure(f"remat peak_budget {f:g}", lambda m, f=f: torch.compile(
             m, backend="remat", options={"peak_budget": f, "lower": args.lower}))
-    for f in floats(args.fit):
+    for f in floats(args.fit) if eager_peak else ():  # limits are fractions of eager's peak
         limit = int(eager_peak * f)
         measure(f"remat.fit {limit / 2**20:.0f} MiB ({f:g} x eager)", lambda m: torch.compile(
             m, backend="remat", options={"lower": args.lower}), fit=limit)

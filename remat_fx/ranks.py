@@ -1,95 +1,109 @@
-"""A graph that one rank cannot plan fails on every rank, with that rank's message.
+"""A graph that one rank cannot compile fails on every rank, with that rank's message.
 
 Under DDP or FSDP each rank compiles the same graphs in the same order, each planned against its
 own inputs: a budget that only one rank cannot meet (a larger batch there, another sequence
 length) raised on that rank alone, and the others went on into their next collective, which then
 failed with the transport's error (gloo: "Connection closed by peer") or waited for the process
-group's timeout (NCCL). Here every rank, after compiling a graph with a memory or peak budget,
-writes whether it could into the process group's store and waits (at most ``WAIT_S`` seconds) for
-the other ranks' word on the same graph (training graphs with a budget, counted in compile order):
-when one could not (``BudgetInfeasible``, ``PeakInfeasible``), every rank raises the same error
-class, naming that rank and its message. A rank that could not plan raises at once. A rank that
-waits past ``WAIT_S`` (the ranks compile different graphs, or one compiles much more slowly) logs
-a warning and goes on, as before.
+group's timeout (NCCL). Here every rank, after compiling a training graph with a memory or peak
+budget, writes whether it could into the process group's store and waits (at most ``WAIT_S``
+seconds) for the other ranks' word on the same graph: when one could not, every rank raises an
+error naming that rank and its message (the same class for ``BudgetInfeasible`` and
+``PeakInfeasible``, else a RuntimeError). A rank that could not raises at once.
+
+Which graphs take part: training graphs (grad mode on, an input that requires grad) with a budget,
+on their frame's first compile (Dynamo's compile id), counted per rank in compile order by a
+counter in the store. A recompile (new shapes on one rank), an inference graph (an evaluation on
+one rank) or a graph without a budget compiles as before, with no word exchanged. A rank that
+waits past ``WAIT_S`` (the ranks compile different graphs, or one compiles much more slowly)
+logs a warning and goes on. ``WAIT_S = 0`` turns the exchange off; keep it under the process
+group's timeout. A fake process group (``backend="fake"``) has no store: nothing is exchanged.
 
 The store is the default process group's, read with ``torch.distributed.distributed_c10d.
-_get_default_store`` (private; checked on torch 2.13 and 2.14; ``tests/test_distributed.py``).
+_get_default_store`` (private; checked on torch 2.13 and 2.14: ``tests/test_distributed.py``);
+the compile id with ``torch._guards.CompileContext.current_compile_id`` (private, likewise).
 """
 from __future__ import annotations
 
 import datetime
 import logging
-from typing import Callable, Dict, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
 log = logging.getLogger("remat_fx")
 
-#: seconds a rank waits for the others' word on a graph it has compiled
+#: seconds a rank waits for the others' word on a graph it has compiled (0: no exchange)
 WAIT_S = 300.0
 
 _PREFIX = "remat_fx/compile"
-_counts: Dict[int, int] = {}  # id(default process group) -> graphs agreed on so far
 
 T = TypeVar("T")
 
 
 def _group():
-    """(torch.distributed, default process group) with two ranks or more, else None."""
+    """torch.distributed with a default process group of two ranks or more that has a store,
+    else None."""
     try:
         import torch.distributed as dist
     except ImportError:  # a torch built without distributed
         return None
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         return None
-    return dist, dist.group.WORLD
+    if dist.get_backend() == "fake":  # its store can neither set nor wait
+        return None
+    return dist
 
 
-def on_every_rank(compile_graph: Callable[[], T], budgeted: bool) -> T:
-    """``compile_graph()`` (a CompiledGraph), whose planning error on any rank of the default
-    process group fails every rank. Only training graphs planned against a memory or peak budget
-    (``budgeted``) are counted and waited on: an inference graph (an evaluation on one rank) has
-    no plan to fail, and another error is the rank's own."""
+def _first_compile() -> bool:
+    """Whether Dynamo is compiling a frame for the first time (not a recompile on new shapes)."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return compile_id is None or not getattr(compile_id, "frame_compile_id", 0)
+
+
+def _training(example_inputs: Sequence) -> bool:
+    """AOTAutograd's test: grad mode on and an input that requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+
+
+def on_every_rank(compile_graph: Callable[[], T], budgeted: bool, example_inputs: Sequence) -> T:
+    """``compile_graph()``, whose failure on any rank of the default process group fails every
+    rank, for the graphs the module doc names."""
     from remat_fx.passes.budget import BudgetInfeasible
     from remat_fx.passes.peak import PeakInfeasible
 
-    group = _group() if budgeted and torch.is_grad_enabled() else None
-    if group is None:
+    dist = _group() if budgeted and WAIT_S > 0 and _training(example_inputs) and _first_compile() else None
+    if dist is None:
         return compile_graph()
-    dist, pg = group
     from torch.distributed.distributed_c10d import _get_default_store
 
     store, rank, world = _get_default_store(), dist.get_rank(), dist.get_world_size()
-
-    def key() -> str:  # the next training graph's, in compile order
-        index = _counts.get(id(pg), 0)
-        _counts[id(pg)] = index + 1
-        return f"{_PREFIX}/{index}/"
-
+    index = store.add(f"{_PREFIX}/count/{rank}", 1) - 1  # this rank's graphs so far, in the store's lifetime
+    key = f"{_PREFIX}/{index}/"
     try:
         result = compile_graph()
-    except (BudgetInfeasible, PeakInfeasible) as e:  # raised by a training graph's partition
-        store.set(key() + str(rank), f"{type(e).__name__}\n{e}")
+    except Exception as e:
+        try:
+            store.set(key + str(rank), f"{type(e).__name__}\n{e}")
+        except Exception:  # noqa: BLE001 - the rank's own error is the one to raise
+            pass
         raise
-    if getattr(result, "plan", None) is None:
-        return result  # an inference graph
-    mine = key()
-    index = int(mine.split("/")[-2])
-    store.set(mine + str(rank), "ok")
-    others = [mine + str(r) for r in range(world) if r != rank]
+    store.set(key + str(rank), "ok")
+    others = [key + str(r) for r in range(world) if r != rank]
     try:
         store.wait(others, datetime.timedelta(seconds=WAIT_S))
     except Exception as e:  # noqa: BLE001 - the store's timeout error differs across versions
         log.warning("remat_fx: rank %d compiled its graph %d; the other ranks did not say within %g s whether they "
-                    "could plan theirs (%s): going on", rank, index, WAIT_S, str(e).splitlines()[0][:200])
+                    "could compile theirs (%s): going on", rank, index, WAIT_S, str(e).splitlines()[0][:200])
         return result
     for r in range(world):
         if r == rank:
             continue
-        word = store.get(mine + str(r)).decode()
+        word = store.get(key + str(r)).decode()
         if word != "ok":
             name, message = word.split("\n", 1)
-            error = {"BudgetInfeasible": BudgetInfeasible, "PeakInfeasible": PeakInfeasible}[name]
+            error = {"BudgetInfeasible": BudgetInfeasible, "PeakInfeasible": PeakInfeasible}.get(name, RuntimeError)
             raise error(f"remat_fx: rank {r} of {world} could not compile a graph that this rank could (the "
                         f"{_ordinal(index + 1)} training graph with a budget each rank compiled): {name}: {message}")
     return result

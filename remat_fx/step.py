@@ -132,12 +132,14 @@ class _GlobalState:
     autocast: Tuple[Tuple[str, bool, torch.dtype], ...]
     autocast_cache: bool
 
-    DEVICES = ("cpu", "cuda")
-
     @classmethod
     def now(cls) -> "_GlobalState":
+        devices = ["cpu", "cuda"]
+        accelerator = torch.accelerator.current_accelerator()  # what Dynamo saves besides the CPU
+        if accelerator is not None and accelerator.type not in devices:
+            devices.append(accelerator.type)
         return cls(torch.is_grad_enabled(),
-                   tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in cls.DEVICES),
+                   tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices),
                    torch.is_autocast_cache_enabled())
 
     @contextlib.contextmanager
@@ -382,7 +384,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) -
 
     budgeted = any(v is not None for v in (options.memory_budget, options.peak_budget, options.peak_fraction,
                                            options.step_peak))
-    return on_every_rank(lambda: _compile_graph(gm, example_inputs, options), budgeted)
+    return on_every_rank(lambda: _compile_graph(gm, example_inputs, options), budgeted, example_inputs)
 
 
 def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) -> CompiledGraph:

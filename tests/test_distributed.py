@@ -427,25 +427,29 @@ def _one_rank_compiles_worker(rank):
     net(x).square().mean().backward()
     want = [p.grad.clone() for p in net.parameters()]
     net.zero_grad(set_to_none=True)
-    compiled = torch.compile(net, backend="remat", options={"lower": "eager", "memory_budget": 0.5})
-    with torch.no_grad():  # an evaluation on one rank: an inference graph, nothing to wait for
-        compiled(x)
+    options = {"lower": "eager", "memory_budget": 0.5}
+    with torch.no_grad():  # an evaluation on one rank (its own frame): an inference graph, nothing to wait for
+        torch.compile(lambda t: net(t), backend="remat", options=options)(x)
+    compiled = torch.compile(net, backend="remat", options=options)
     waited = [r.getMessage() for r in records if "did not say within" in r.getMessage()]
     t0 = time.monotonic()
     compiled(x).square().mean().backward()
     seconds = time.monotonic() - t0
     err = max((p.grad - w).abs().max().item() for p, w in zip(net.parameters(), want))
-    return seconds, err, waited, [r.getMessage() for r in records if "did not say within" in r.getMessage()]
+    warned = [r.getMessage() for r in records if "did not say within" in r.getMessage()]
+    compiled(torch.randn(5, 16)).square().mean().backward()  # new shapes on this rank alone: a recompile
+    recompiled = [r.getMessage() for r in records if "did not say within" in r.getMessage()][len(warned):]
+    return seconds, err, waited, warned, recompiled
 
 
 def test_a_rank_that_compiles_alone_waits_for_the_others_then_goes_on():
     """remat_fx/ranks.py: a rank that compiles a budgeted training graph the others never compile
-    (an asymmetric recompile) waits a bounded time for their word, warns, and goes on; an inference
-    graph (an evaluation on one rank) is not waited on."""
-    results = run_ranks(_one_rank_compiles_worker, timeout=90)
-    seconds, err, after_eval, warnings = results[0]
+    waits a bounded time for their word, warns, and goes on; an inference graph (an evaluation on
+    one rank) and a recompile (new shapes on one rank) are not waited on."""
+    results = run_ranks(_one_rank_compiles_worker, timeout=150)
+    seconds, err, after_eval, warnings, after_recompile = results[0]
     assert results[1] is None
-    assert after_eval == []
+    assert after_eval == [] and after_recompile == []
     assert err < 1e-6, err
     assert len(warnings) == 1 and warnings[0].startswith("remat_fx: rank 0 compiled its graph 0; the other ranks did "
                                                          "not say within 2 s"), warnings

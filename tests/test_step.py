@@ -358,6 +358,7 @@ def test_a_graph_lowered_again_keeps_the_autocast_it_was_compiled_under(how):
     else:
         step()  # the second step plans the whole step: every graph lowered again
         assert remat.step_report().limit == int(free * 0.6)
+        assert STEP.step_plan is not None  # planned as a whole: lowered again, outside Dynamo
     step()
     assert set(dtypes) == {torch.bfloat16}
     for a, b in zip(_grads(model), want):
