@@ -3,7 +3,8 @@ remat's memory_budget, against eager PyTorch and eager per-layer torch.utils.che
 
     python benchmarks/llama_depth.py [--budgets 1,0.5,0.3,0.2,0.1,0] [--torch-budgets 1,0.3,0] [--lower inductor|eager]
                                      [--peak-budgets 40MiB,0.5]
-                                     [--layers 8] [--seq 256] [--batch 4] [--steps 5] [--grads] [--plans]
+                                     [--layers 8] [--hidden 128] [--intermediate 256] [--heads 4] [--vocab 1000]
+                                     [--seq 256] [--batch 4] [--steps 5] [--grads] [--plans]
 
 Per variant: the step's incremental peak (benchmarks/memory.py step_peak_bytes, one warmed-up
 fwd+bwd step), remat's estimate (plan.peak.step), with a byte --peak-budgets the peak of Inductor's
@@ -47,7 +48,8 @@ def build(args, checkpoint=False):
     import transformers
 
     cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
-                                   num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
+                                   num_hidden_layers=args.layers, num_attention_heads=getattr(args, "heads", 4),
+                                   num_key_value_heads=getattr(args, "heads", 4),
                                    vocab_size=args.vocab, max_position_embeddings=args.seq, use_cache=False)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
@@ -89,6 +91,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=1000)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
