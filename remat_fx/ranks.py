@@ -104,10 +104,7 @@ def on_every_rank(compile_graph: Callable[[], T], budgeted: bool, example_inputs
         if word != "ok":
             name, message = word.split("\n", 1)
             error = {"BudgetInfeasible": BudgetInfeasible, "PeakInfeasible": PeakInfeasible}.get(name, RuntimeError)
-            raise error(f"remat_fx: rank {r} of {world} could not compile a graph that this rank could (the "
-                        f"{_ordinal(index + 1)} training graph with a budget each rank compiled): {name}: {message}")
+            raise error(f"remat_fx: rank {r} of {world} could not compile a graph that this rank could (training "
+                        f"graph {index} with a budget, counted from 0 on each rank): {name}: {message}")
     return result
 
-
-def _ordinal(n: int) -> str:
-    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"

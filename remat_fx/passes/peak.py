@@ -459,8 +459,8 @@ def monotone_peak(cut, budgets, chosen, slack: float):
     lowest-peak one. (Taking the feasible minimum's plan, the least peak, whenever the reruns missed
     put budget 0.3 of a wide 8-layer Llama at 47.90 MiB, under 0.15's 64.51; it now takes a grid
     target's under it, 76.51 MiB.) The budget's saved bytes are never exceeded. At the feasible
-    minimum nothing else fits, and at the top of the grid nothing is above. Only the nearest target is compared (it costs one to five
-    partitions, each with a rerun search; measured: 0.1's planning 6.2 -> 10.5 s), as the peaks
+    minimum nothing else fits, and at the top of the grid nothing is above. Only the nearest target
+    is compared (it costs one to five partitions, each with a rerun search; measured: 0.1's planning 6.2 -> 10.5 s), as the peaks
     swing most between neighbours: an 8-layer Llama's budgets 0.1, 0.15 and 0.2 estimated 18.6,
     13.9 and 16.4 MiB, and when 0.1 was compared with 0.3 and 0.5 it kept its 18.6 (measured 19.8
     against 0.15's 16.7); it now estimates 13.8. ``cut(budgets, fastest_s, cap)`` returns (fw, bw,
@@ -471,7 +471,8 @@ def monotone_peak(cut, budgets, chosen, slack: float):
     if None not in budgets or report is None or report.solver == "none" or report.target <= report.minimum:
         return chosen
     lo, hi = report.minimum, report.maximum
-    above = [t for t in (lo + int((hi - lo) * f) for f in _GRID) if t > report.target]
+    grid = sorted({lo + int((hi - lo) * f) for f in _GRID}, reverse=True)  # saved-bytes targets, largest first
+    above = [t for t in grid if t > report.target]
     if not above:
         return chosen
     nearby = _overall(budgets, Budget(nbytes=min(above)))
@@ -483,7 +484,7 @@ def monotone_peak(cut, budgets, chosen, slack: float):
         # the grid targets under the budget fit it too: the largest whose plan meets the bound, before
         # the feasible minimum's (whose peak, the least, would put this budget under the ones below it)
         fits = [chosen, best]
-        for t in sorted((t for t in (lo + int((hi - lo) * f) for f in _GRID) if lo < t < report.target), reverse=True):
+        for t in (t for t in grid if lo < t < report.target):
             below = _overall(budgets, Budget(nbytes=t))
             result = lower_peak(cut, below, cut(below), slack)
             if result[2].peak.step <= bound:
