@@ -51,7 +51,7 @@ class PeakEstimate:
         return max(self.forward, self.backward)
 
 
-def _storage_bytes(node: fx.Node) -> int:
+def storage_bytes(node: fx.Node) -> int:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0
@@ -79,7 +79,7 @@ def readers(x, users: Callable, src: Callable, facts: dict) -> Optional[list]:
         node = src(user)
         if node.op != "call_function":
             return None
-        if node_facts(node, facts).view:
+        if (facts.get(node) or node_facts(node, facts)).view:
             more = readers(user, users, src, facts)
             if more is None:
                 return None
@@ -126,18 +126,20 @@ def inlined_nodes(order: Iterable, inputs: Callable, users: Callable, src: Calla
     inlined: Set = set()
     body_of: Dict[object, Tuple[bool, Set]] = {}  # (has a heavy op, buffers read) of inlined bodies
     addmm: Set = set()  # adds that take in an mm: an addmm kernel of their own
+    mm = torch.ops.aten.mm.default
     for x in order:
         node = src(x)
-        into = _addmm_reader(x, node, users, src)
-        if into is not None:  # the mm runs inside the add's addmm: at the add, reading its inputs there
-            inlined.add(x)
-            addmm.add(into)
-            continue
-        mine = node_facts(node, facts)
+        if node.target is mm:
+            into = _addmm_reader(x, node, users, src)
+            if into is not None:  # the mm runs inside the add's addmm: at the add, reading its inputs there
+                inlined.add(x)
+                addmm.add(into)
+                continue
+        mine = facts.get(node) or node_facts(node, facts)
         if not mine.inlinable or x in addmm:
             continue
         found = readers(x, users, src, facts)
-        if found is None or not all(node_facts(src(u), facts).fusible for u in found):
+        if found is None or not all((facts.get(n) or node_facts(n, facts)).fusible for n in map(src, found)):
             continue
         if len(found) <= 1:
             inlined.add(x)
@@ -297,17 +299,18 @@ def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dic
 
 
 def allocation(src: fx.Node, position: int, producer_position: Optional[int], counted: Set[str],
-               inlined: bool) -> Tuple[int, int]:
+               inlined: bool, nbytes: Optional[int] = None) -> Tuple[int, int]:
     """(position, bytes) of the storage node ``src`` makes at ``position``: graph inputs exist from
     the start (free unless named in ``counted``); a getitem's storage is made with its tuple-returning
-    producer (at ``producer_position``); a tuple itself, and an inlined op, take nothing."""
+    producer (at ``producer_position``); a tuple itself, and an inlined op, take nothing. ``nbytes``:
+    ``storage_bytes(src)``, if known."""
     if src.op == "placeholder":
-        return 0, _storage_bytes(src) if src.name in counted else 0
+        return 0, (storage_bytes(src) if nbytes is None else nbytes) if src.name in counted else 0
     if src.target is operator.getitem:
-        return producer_position, _storage_bytes(src)
+        return producer_position, storage_bytes(src) if nbytes is None else nbytes
     if inlined or isinstance(src.meta.get("val"), (tuple, list)):
         return position, 0
-    return position, _storage_bytes(src)
+    return position, storage_bytes(src) if nbytes is None else nbytes
 
 
 def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int):
@@ -320,9 +323,9 @@ def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     shared = {n.name: storage_base(n).name for n in saved}  # bw placeholders keep the saved nodes' names
     user_outputs = {storage_base(n) for n in fw_out[:num_fwd_outputs] if isinstance(n, fx.Node)}
     saved_bases = {storage_base(n) for n in saved if storage_base(n).op != "placeholder"}
-    held = sum(_storage_bytes(b) for b in user_outputs - saved_bases if b.op != "placeholder")
+    held = sum(storage_bytes(b) for b in user_outputs - saved_bases if b.op != "placeholder")
     counted |= {n.name for n in bw.graph.nodes if n.op == "placeholder" and str(n.target).startswith("tangents")}
-    return counted, shared, held, sum(_storage_bytes(b) for b in saved_bases)
+    return counted, shared, held, sum(storage_bytes(b) for b in saved_bases)
 
 
 def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inline: bool = False) -> PeakEstimate:

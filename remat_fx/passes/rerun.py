@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from remat_fx.passes.capture import is_random
 from remat_fx.passes.cost import flops
-from remat_fx.passes.peak import allocation, inlined_nodes, is_view, liveness, node_facts, reads_through
+from remat_fx.passes.peak import allocation, inlined_nodes, is_view, liveness, node_facts, storage_bytes
 
 RERUN = "remat_fx.rerun"  # node meta of a copy: the number of its rerun (1, 2, ...)
 
@@ -95,6 +95,7 @@ class _Program:
         # for every program the search tries
         self.roots: Dict[_Item, object] = {}
         self.facts: dict = {}  # node_facts of the backward's nodes, which the search never changes
+        self.nbytes: Dict[fx.Node, int] = {}  # storage bytes of each node
 
     def root(self, item: _Item, memo: dict):
         found = memo.get(item)
@@ -116,30 +117,48 @@ class _Program:
         items = self.items
         memo = self.roots
         position = {item: i for i, item in enumerate(items)}
-        roots = [self.root(item, memo) for item in items]
+        roots = [memo[item] if item in memo else self.root(item, memo) for item in items]
         inlined: Set[_Item] = set()
         if self.inline:
             users: Dict[_Item, List[_Item]] = {}
             for item in items:
                 for m in item.ins.values():
-                    users.setdefault(m, []).append(item)
+                    if m in users:
+                        users[m].append(item)
+                    else:
+                        users[m] = [item]
             inlined = inlined_nodes(items, lambda x: x.ins.values(), lambda x: users.get(x, ()), lambda x: x.src,
                                     self.facts)
         storages: Dict[object, tuple] = {}
-        for item, r in zip(items, roots):
+        nbytes = self.nbytes
+        for i, (item, r) in enumerate(zip(items, roots)):
             if r not in storages:
                 src = item.src
                 producer = position[item.ins[src.args[0]]] if src.target is operator.getitem else None
-                storages[r] = allocation(src, position[item], producer, self.counted, item in inlined)
+                size = nbytes.get(src)
+                if size is None:
+                    size = nbytes[src] = storage_bytes(src)
+                storages[r] = allocation(src, i, producer, self.counted, item in inlined, size)
         end = len(items) - 1  # the output
-        read_memo: dict = {}
+        # what each position reads, as storage roots: its inputs', and through an inlined input
+        # (computed inside it) what that one reads (passes/peak.py reads_through, over roots)
+        through: Dict[_Item, set] = {}
         reads, uses = [], {}
         for i, item in enumerate(items):
-            keys = {self.root(m, memo) for m in reads_through(item, lambda x: x.ins.values(), inlined, read_memo)}
+            keys = set()
+            for m in item.ins.values():
+                keys.add(memo[m])
+                if m in inlined:
+                    keys |= through[m]
+            if item in inlined:
+                through[item] = keys
             for k in keys:
-                uses.setdefault(k, []).append(i)
+                if k in uses:
+                    uses[k].append(i)
+                else:
+                    uses[k] = [i]
             reads.append(keys | {roots[i]})
-        outputs = {self.root(m, memo) for m in items[end].ins.values()}
+        outputs = {memo[m] for m in items[end].ins.values()}
         writers = {roots[i] for i, item in enumerate(items[:end])
                    if item not in inlined and node_facts(item.src, self.facts).pointwise} \
             if self.inline else None
