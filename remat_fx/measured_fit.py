@@ -29,15 +29,18 @@ import os
 import pathlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+import weakref
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
+import torch.utils._pytree as pytree
 
 from remat_fx.measure import step_peak_bytes
 from remat_fx.memory_budget import fmt_bytes, parse_budget
 from remat_fx.options import BackendOptions
 from remat_fx.passes.peak import PeakInfeasible
 from remat_fx.passes.plan import record
+from remat_fx.ranks import agreed
 from remat_fx.step import STEP, CompiledGraph, _signature, auto_limit, candidates, estimate_curve, shared_options
 
 log = logging.getLogger("remat_fx")
@@ -127,16 +130,22 @@ def _limit(peak) -> int:
 
 
 def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: bool = True, cache_dir=None,
-        device=None, **kwargs) -> FitResult:
+        device=None, params=None, **kwargs) -> FitResult:
     """Plan the graphs that ``step(*args, **kwargs)`` runs (one whole training step of a model
     compiled with ``backend="remat"``: forward and backward, with the gradients set to None first so
     that the peak counts them) so that the step's *measured* peak is at most ``peak`` (a size, int
     bytes, or ``"auto"`` on CUDA), as fast as the shared budget grid allows. The search keeps
     ``margin`` (a fraction of the limit) free against the run-to-run spread of the measurement, and
-    measures each candidate twice (the larger counts). See the module doc."""
+    measures each candidate twice (the larger counts). The gradients set to None are those of the
+    parameters the compiled graphs read, of every ``nn.Module`` among the arguments, and of
+    ``params`` (a module or parameters: under FSDP2 the graphs read the unsharded parameters, and
+    the sharded ones, which keep the gradients, are the model's). Under a process group, call it on
+    every rank: the ranks decide on the largest of their measured peaks and end with the same plan
+    (remat_fx/ranks.py). See the module doc."""
     limit = _limit(peak)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ValueError(f"remat_fx: remat.fit's margin must be a fraction of the limit in [0, 1), got {margin!r}")
+    named = _parameters(args, kwargs, params)
     target = int(limit * (1 - margin))
     t0 = time.perf_counter()
     scope = _Scope(limit, pathlib.Path(cache_dir) if cache_dir is not None else (_default_dir() if cache else None))
@@ -150,7 +159,8 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
     STEP.leaves = {}
     try:
         run()  # compiles (from the cache where it has the graph)
-        leaves = list(STEP.leaves.values())  # the step's parameters, whose gradients each measurement counts
+        # the step's parameters, whose gradients each measurement counts
+        leaves = list({**STEP.leaves, **named}.values())
     finally:
         _ACTIVE.remove(scope)
         STEP.leaves = None
@@ -162,9 +172,9 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
     graphs = list(dict.fromkeys(calls))
     STEP.planned[_signature(calls)] = "fit"  # the step coordinator leaves this step to the fit
     result = FitResult(limit, None, 0, graphs=len(graphs), calls=len(calls))
-    if all(getattr(g, "cached", False) for g in graphs):
+    if agreed(all(getattr(g, "cached", False) for g in graphs), all):
         _drop_grads(leaves)
-        measured = step_peak_bytes(run, device)
+        measured = agreed(step_peak_bytes(run, device), max)
         fraction = _fraction_of(graphs[0])
         if measured <= limit:
             result.fraction, result.measured, result.cached = fraction, measured, True
@@ -175,9 +185,9 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
         log.warning("remat_fx: the cached plan measures %s, over the limit %s: searching again",
                     fmt_bytes(measured), fmt_bytes(limit))
 
-    def measure():
+    def measure():  # the largest of the ranks' (one figure on every rank: the same decisions)
         _drop_grads(leaves)
-        return step_peak_bytes(run, device)
+        return agreed(step_peak_bytes(run, device), max)
 
     def evaluate(f):
         for g in graphs:
@@ -194,11 +204,13 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
     grid = candidates(graphs[0].options)
     if saved_limit is not None:  # a byte memory_budget holds for the whole step too
         saved = estimate_curve(calls, fractions=grid)
-        grid = [f for f in grid if saved[f][1] <= saved_limit] or grid[-1:]
+        kept = agreed([f for f in grid if saved[f][1] <= saved_limit], lambda by_rank: by_rank)
+        grid = [f for f in grid if all(f in k for k in kept)] or grid[-1:]  # every rank's
     curve = estimate_curve(calls, fractions=grid, stop=lambda peak, _: peak <= target)
     result.estimates = {f: peak for f, (peak, _) in curve.items()}
     fitting = [f for f, e in result.estimates.items() if e <= target]
-    start = grid.index(fitting[0] if fitting else list(result.estimates)[-1])
+    # where to start: the smallest budget any rank's estimate asks for
+    start = agreed(grid.index(fitting[0] if fitting else list(result.estimates)[-1]), max)
     fits = []  # the grid points that measured under the target (None, no budget, is one of them)
     if evaluate(grid[start]) <= target:
         # more saved, less recompute: the largest budget above that still fits, by bisection on the
@@ -236,6 +248,25 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
     result.seconds = time.perf_counter() - t0
     log.info("%s", result)
     return result
+
+
+def _parameters(args, kwargs, params) -> Dict[int, "weakref.ref"]:
+    """{id: weak reference} of the parameters of every nn.Module among the step's arguments and of
+    ``params`` (a module, or an iterable of tensors)."""
+    found = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.nn.Module)]
+    tensors = [p for m in found for p in m.parameters()]
+    if params is not None:
+        if isinstance(params, torch.nn.Module):
+            tensors += list(params.parameters())
+        else:
+            given = [params] if isinstance(params, torch.Tensor) else list(params) \
+                if isinstance(params, Iterable) else None
+            if given is None or not all(isinstance(p, torch.Tensor) for p in given):
+                raise TypeError(f"remat_fx: remat.fit's params must be an nn.Module or an iterable of tensors (the "
+                                f"parameters whose gradients each measurement sets to None first), got "
+                                f"{type(params).__name__}")
+            tensors += given
+    return {id(p): weakref.ref(p) for p in tensors}
 
 
 def _drop_grads(leaves) -> None:

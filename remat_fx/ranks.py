@@ -1,4 +1,5 @@
-"""A graph that one rank cannot compile fails on every rank, with that rank's message.
+"""Ranks that plan together: a graph that one rank cannot compile fails on every rank, with that
+rank's message; remat.fit decides on figures every rank agrees on.
 
 Under DDP or FSDP each rank compiles the same graphs in the same order, each planned against its
 own inputs: a budget that only one rank cannot meet (a larger batch there, another sequence
@@ -17,6 +18,10 @@ one rank) or a graph without a budget compiles as before, with no word exchanged
 waits past ``WAIT_S`` (the ranks compile different graphs, or one compiles much more slowly)
 logs a warning and goes on. ``WAIT_S = 0`` turns the exchange off; keep it under the process
 group's timeout. A fake process group (``backend="fake"``) has no store: nothing is exchanged.
+
+remat.fit measures each rank's step: ``agreed`` gives every rank the same figures to decide on
+(the largest measured peak, the smallest budget any rank's estimate asks for), so that the ranks
+run the same steps and end with the same plan, or fail together.
 
 The store is the default process group's, read with ``torch.distributed.distributed_c10d.
 _get_default_store`` (private; checked on torch 2.13 and 2.14: ``tests/test_distributed.py``);
@@ -108,3 +113,20 @@ def on_every_rank(compile_graph: Callable[[], T], budgeted: bool, example_inputs
                         f"graph {index} with a budget, counted from 0 on each rank): {name}: {message}")
     return result
 
+
+
+def agreed(value: T, combine: Callable[[list], T]) -> T:
+    """``combine`` of every rank's ``value`` (a list by rank), under a default process group of two
+    ranks or more; ``value`` itself without one. A collective (``all_gather_object``, public): every
+    rank must call it at the same point. remat.fit takes its decisions on the ranks' agreed figures
+    (the largest measured peak, ...), so that every rank runs the same number of steps, lowers the
+    same plans and fails, when nothing fits, together; on per-rank figures the ranks' searches could
+    take different branches, and one rank would run a step (and its collectives) the others never
+    run. Under NCCL the objects travel on ``torch.cuda.current_device()``: set each rank's device
+    (``torch.cuda.set_device``), as torch.distributed asks."""
+    dist = _group()
+    if dist is None:
+        return value
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return combine(values)

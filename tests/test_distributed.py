@@ -454,3 +454,72 @@ def test_a_rank_that_compiles_alone_waits_for_the_others_then_goes_on():
     assert len(warnings) == 1 and warnings[0].startswith("remat_fx: rank 0 compiled its graph 0; the other ranks did "
                                                          "not say within 2 s"), warnings
     assert 2.0 <= seconds < 60, seconds
+
+
+def _fit_worker(rank):
+    """remat.fit under FSDP2 (per-block compile), rank 1 with twice rank 0's batch: the ranks
+    measure different peaks, decide on the same (the largest), and end with the same plan."""
+    import torch.distributed as dist
+
+    import remat_fx.measured_fit as measured_fit
+    from remat_fx.measure import step_peak_bytes
+
+    xs = [torch.randn((1 + r) * B, 64, D, generator=torch.Generator().manual_seed(200 + r)) for r in range(WORLD)]
+    x = xs[rank]  # 64 tokens: activations large enough against the parameters and gradients for fit to choose
+    ref = Net()
+    (sum(loss_of(ref(x)) for x in xs) / WORLD).backward()
+    want = {k: p.grad for k, p in ref.named_parameters()}  # FSDP averages the ranks' gradients
+
+    torch._dynamo.reset()
+    model = shard(Net(), {"lower": "eager"})
+
+    def train(model, x):
+        loss_of(model(x)).backward()
+
+    train(model, x)
+    model.zero_grad(set_to_none=True)  # the peak with the gradients counted, as fit measures it
+    free = torch.tensor(float(step_peak_bytes(lambda: train(model, x))))
+    dist.all_reduce(free, op=dist.ReduceOp.MAX)
+    seen = []  # per measurement: this rank's own figure, and whether the sharded gradients were None
+
+    def measuring(step, device=None):
+        none = all(p.grad is None for p in model.parameters())
+        measured = step_peak_bytes(step, device)
+        seen.append((measured, none))
+        return measured
+
+    measured_fit.step_peak_bytes = measuring
+    result = remat.fit(train, model, x, peak=int(free.item() * 0.85), cache=False)
+    model.zero_grad(set_to_none=True)
+    train(model, x)
+    err = grad_error(full_grads(model), want)
+    try:
+        remat.fit(train, model, x, peak=1024, cache=False)
+        infeasible = None
+    except remat.PeakInfeasible as e:
+        infeasible = str(e)
+    return dict(fraction=result.fraction, tried=dict(result.tried), measured=result.measured, seen=seen, err=err,
+                infeasible=infeasible)
+
+
+def test_fit_under_fsdp2_decides_on_every_rank_s_measurements_together():
+    """remat.fit on 2 FSDP2 ranks whose steps measure different peaks (rank 1 has twice the batch):
+    every decision is taken on the largest of the ranks' measured peaks (remat_fx/ranks.py agreed),
+    so both ranks run the same number of steps (a different number would leave one rank waiting in a
+    collective: the test's deadline) and end with the same budget; each measurement starts with
+    the *sharded* gradients None (the model is fit's argument); gradients after the fit match one
+    process; a limit nothing meets raises PeakInfeasible on both ranks."""
+    per_rank = run_ranks(_fit_worker, timeout=150)
+    r0, r1 = per_rank
+    print(f"fit under FSDP2: rank 0 {r0['tried']} own {[m for m, _ in r0['seen']]}; "
+          f"rank 1 own {[m for m, _ in r1['seen']]}")
+    assert r0["fraction"] == r1["fraction"] and r0["tried"] == r1["tried"], (r0["tried"], r1["tried"])
+    assert len(r0["seen"]) == len(r1["seen"]) == 2 * len(r0["tried"]) + 2  # + the infeasible fit's
+    own = [(a, b) for (a, _), (b, _) in zip(r0["seen"], r1["seen"])]
+    assert any(a != b for a, b in own), own  # the ranks did measure different peaks
+    for k, (f, m) in enumerate(r0["tried"].items()):
+        assert m == max(max(own[2 * k]), max(own[2 * k + 1])), (k, f, m, own)
+    for rank, r in enumerate(per_rank):
+        assert all(none for _, none in r["seen"]), f"rank {rank}: sharded gradients alive at a measurement"
+        assert r["err"] < 1e-5, f"rank {rank}: gradients off by {r['err']:.2e}"
+        assert r["infeasible"] is not None and "no plan measured a step peak at or under" in r["infeasible"], r

@@ -219,6 +219,17 @@ def test_peak_budget_and_fit_limits_are_checked_when_given():
         remat.fit(lambda: None, peak="1MiB", cache=False)
 
 
+def test_fit_checks_its_params_when_given():
+    """remat.fit's params (the parameters whose gradients each measurement sets to None first) must
+    be a module or tensors: anything else fails before the step runs."""
+    ran = []
+    with pytest.raises(TypeError, match=r"remat.fit's params must be an nn.Module or an iterable of tensors .* got int"):
+        remat.fit(lambda: ran.append(1), peak="1MiB", params=3)
+    with pytest.raises(TypeError, match=r"got list"):
+        remat.fit(lambda: ran.append(1), peak="1MiB", params=[torch.zeros(1), "w"])
+    assert ran == []
+
+
 def test_fit_names_the_least_measured_peak_when_nothing_fits():
     _, step = make({"lower": "eager"})
     with pytest.raises(PeakInfeasible, match=r"no plan measured a step peak at or under .* the least measured is"):
