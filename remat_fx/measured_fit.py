@@ -28,8 +28,8 @@ import logging
 import os
 import pathlib
 import time
-from dataclasses import dataclass, field
 import weakref
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
