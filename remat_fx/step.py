@@ -75,9 +75,11 @@ class StepPeak:
     at: Tuple[int, ...]  # the step's estimated bytes at each call's forward, then each backward (reverse)
 
 
-def step_peak(costs: Sequence[CallCost]) -> StepPeak:
+def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = None) -> StepPeak:
     """The estimated peak of a step whose forwards run in the order of ``costs`` and whose
-    backwards run in reverse."""
+    backwards run in reverse. ``released[i]``: bytes of call i's held outputs that are freed before
+    the backwards (:func:`released_bytes`; by default none: each is held until its call's backward)."""
+    released = [0] * len(costs) if released is None or len(released) != len(costs) else released
     at: List[int] = []
     best = (0, 0, "forward")
     base = 0
@@ -86,11 +88,12 @@ def step_peak(costs: Sequence[CallCost]) -> StepPeak:
         if at[-1] > best[0]:
             best = (at[-1], i, "forward")
         base += c.saved + c.held
+    base -= sum(released)
     grads = 0
     for i in reversed(range(len(costs))):
         c = costs[i]
-        base -= c.saved + c.held
-        at.append(base + grads + c.backward)
+        base -= c.saved + c.held - released[i]
+        at.append(base + grads + c.backward - released[i])
         if at[-1] > best[0]:
             best = (at[-1], i, "backward")
         grads += c.grads
@@ -237,6 +240,15 @@ class CompiledGraph:
     def cost(self) -> CallCost:
         return call_cost(self.plan, self.grads)
 
+    def saved_input_indices(self, plan: Plan) -> set:
+        """Which of the graph's inputs (by position) ``plan`` keeps for backward."""
+        if self.joint is None:
+            return set()
+        gm, _, kwargs = self.joint
+        primals = [n.name for n in gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+        where = {name: m for m, name in enumerate(primals)}
+        return {where[s.storage] for s in plan.saved if s.storage in where}
+
     def __call__(self, *args):
         # not a call of the step when run on fake tensors (all of them are, or none: the first
         # tells): DDPOptimizer runs each compiled submodule once while compiling, to propagate
@@ -250,11 +262,55 @@ class CompiledGraph:
                                    if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad)
         out = self.fn(*args)
         if training:
-            STEP.watch(self, out)
+            STEP.watch(self, out, args)
         return out
 
     def __repr__(self) -> str:
         return f"CompiledGraph({self.index}, {self.key})"
+
+
+class CallIO:
+    """What one call of a compiled graph took in and gave out, seen at run time: which earlier
+    call's output each input was, and which of its outputs were still alive when the step's
+    backward began."""
+
+    __slots__ = ("outputs", "sizes", "consumers", "alive")
+
+    def __init__(self, out):
+        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.outputs = [weakref.ref(t) for t in tensors]
+        self.sizes = [int(t.untyped_storage().nbytes()) for t in tensors]
+        # per output: (the later call's CallIO, input index) while the step runs; (its position among
+        # the step's calls, input index) once the backward began
+        self.consumers: List[list] = [[] for _ in tensors]
+        self.alive: Optional[List[bool]] = None  # per output, when the backward began
+
+
+def released_bytes(calls: Sequence["CompiledGraph"], ios: Optional[Sequence[Optional[CallIO]]],
+                   plan_of: Callable[["CompiledGraph"], Plan]) -> Optional[List[int]]:
+    """Per call, bytes of its held outputs freed before the step's backward began (at most its
+    estimate's ``held``): outputs that were dead by then (nothing held them: a loss graph read them
+    and did not save them, or the user's code dropped them), unless a later call's plan from
+    ``plan_of`` saves the input they were (then they live until that call's backward). An output
+    alive when the backward began stays held whatever the plans (the user's code may hold it: a
+    model's output object kept through ``backward()``). None without the run-time record."""
+    if ios is None or len(ios) != len(calls) or any(io is None or io.alive is None for io in ios):
+        return None
+    saved_inputs: Dict[int, set] = {}
+    out = []
+    for i, (g, io) in enumerate(zip(calls, ios)):
+        freed = 0
+        for k, size in enumerate(io.sizes):
+            if io.alive[k]:
+                continue
+            kept = False
+            for j, m in io.consumers[k]:
+                if j not in saved_inputs:
+                    saved_inputs[j] = calls[j].saved_input_indices(plan_of(calls[j]))
+                kept = kept or m in saved_inputs[j]
+            freed += 0 if kept else size
+        out.append(min(freed, plan_of(g).peak.held))
+    return out
 
 
 class _Pending:
@@ -291,8 +347,9 @@ class _Step:
     _MAX_CALLS = 4096
 
     def __init__(self):
-        self.calls: List[Tuple[CompiledGraph, Callable]] = []  # (graph, weak reference to its _Pending)
+        self.calls: List[Tuple[CompiledGraph, Callable, CallIO]] = []  # (graph, weak ref. to its _Pending, its I/O)
         self.last: List[CompiledGraph] = []  # the calls of the last step
+        self.last_io: List[CallIO] = []  # and what they took in and gave out
         self.backward_began = False
         self.leaves: Optional[Dict[int, weakref.ref]] = None  # while remat.fit collects them: the inputs needing grad
         self.planned: Dict[tuple, object] = {}  # step signature -> shared fraction chosen (None: kept)
@@ -302,23 +359,43 @@ class _Step:
         if self.backward_began:  # the first forward after a backward: a new step
             self.calls, self.backward_began = [], False
             _after_step(self.last)
-        self.calls = [(g, alive) for g, alive in self.calls[-self._MAX_CALLS:] if alive() is not None]
+        self.calls = [c for c in self.calls[-self._MAX_CALLS:] if c[1]() is not None]
 
-    def watch(self, graph: CompiledGraph, out) -> None:
+    def watch(self, graph: CompiledGraph, out, args=()) -> None:
         node = _graph_node(out)
         if node is None:
             return
         pending = _Pending()
         node.register_prehook(pending)
-        self.calls.append((graph, weakref.ref(pending)))
+        io = CallIO(out)
+        # which earlier call's output each input is (by identity, while both are alive)
+        made = {}
+        for _, alive, earlier in self.calls:
+            if alive() is not None:
+                for k, ref in enumerate(earlier.outputs):
+                    t = ref()
+                    if t is not None:
+                        made[id(t)] = (earlier, k, t)
+        for m, a in enumerate(args):
+            found = made.get(id(a))
+            if found is not None and found[2] is a:
+                found[0].consumers[found[1]].append((io, m))
+        self.calls.append((graph, weakref.ref(pending), io))
 
     def began(self) -> None:
-        """A backward began: the step's forwards are the calls alive now."""
+        """A backward began: the step's forwards are the calls alive now; which of their outputs
+        are still alive is noted (released_bytes)."""
         if not self.backward_began:
-            self.backward_began, self.last = True, self._live()
+            live = [c for c in self.calls if c[1]() is not None]
+            position = {id(io): n for n, (_, _, io) in enumerate(live)}
+            for _, _, io in live:  # consumers as positions among the step's calls
+                io.alive = [ref() is not None for ref in io.outputs]
+                io.consumers = [[(position[id(later)], m) for later, m in uses if id(later) in position]
+                                for uses in io.consumers]
+            self.backward_began, self.last, self.last_io = True, [c[0] for c in live], [c[2] for c in live]
 
     def _live(self) -> List[CompiledGraph]:
-        return [g for g, alive in self.calls if alive() is not None]
+        return [c[0] for c in self.calls if c[1]() is not None]
 
     def current(self) -> List[CompiledGraph]:
         """The calls of the step in progress (its forwards so far), or a new step's (none)."""
@@ -327,6 +404,12 @@ class _Step:
     def finished(self) -> List[CompiledGraph]:
         """The calls of the last step whose backward has begun."""
         return self.last
+
+    def io_of(self, calls: Sequence[CompiledGraph]) -> Optional[List[CallIO]]:
+        """The run-time record of ``calls`` if they are the last step's calls, else None."""
+        if len(calls) == len(self.last) and all(a is b for a, b in zip(calls, self.last)):
+            return self.last_io
+        return None
 
     def reset(self) -> None:
         self.__init__()
@@ -438,7 +521,7 @@ def _after_step(calls: List[CompiledGraph]) -> None:
         plan_step(calls, fraction=opts.step_peak.fraction, saved_limit=saved_limit)
         return
     over = any(g.over for g in calls)
-    if limit is not None and step_peak([g.cost for g in calls]).peak > limit:
+    if limit is not None and step_peak([g.cost for g in calls], _released(calls)).peak > limit:
         over = True
     if saved_limit is not None and sum(g.plan.total_bytes for g in calls) > saved_limit:
         over = True
@@ -486,11 +569,12 @@ def estimate_curve(calls: Sequence[CompiledGraph], fractions: Optional[Sequence]
     curve: Dict[Optional[float], Tuple[int, int]] = {}
     for f in candidates(calls[0].options) if fractions is None else fractions:
         t0 = time.perf_counter()
-        costs, saved = {}, {}
+        costs, saved, plans = {}, {}, {}
         for g in graphs:
-            plan = g.estimate(shared_options(g.options, f))
+            plan = plans[g] = g.estimate(shared_options(g.options, f))
             costs[g], saved[g] = call_cost(plan, g.grads), plan.total_bytes
-        curve[f] = (step_peak([costs[g] for g in calls]).peak, sum(saved[g] for g in calls))
+        curve[f] = (step_peak([costs[g] for g in calls], _released(calls, plans.__getitem__)).peak,
+                    sum(saved[g] for g in calls))
         log.info("remat_fx: step of %d calls of %d graphs, shared memory_budget %s: estimated peak %s, saved %s "
                  "(%.1f s)", len(calls), len(graphs), "-" if f is None else f"{f:g}", fmt_bytes(curve[f][0]),
                  fmt_bytes(curve[f][1]), time.perf_counter() - t0)
@@ -557,6 +641,8 @@ class StepReport:
     calls: List[Tuple[int, Plan, CallCost]]  # (graph index, its plan, what the call adds)
     peak: Optional[StepPeak]
     limit: Optional[int] = None
+    # per call, bytes of its held outputs that were dead when the backward began (released_bytes)
+    released: Optional[List[int]] = None
 
     @property
     def graphs(self) -> Dict[int, Plan]:
@@ -574,12 +660,13 @@ class StepReport:
         lines = [f"remat step: {len(self.calls)} calls of {len(self.graphs)} compiled graphs; estimated step peak "
                  f"{fmt_bytes(p.peak)} (at the {p.phase} of call {p.call}), saved for backward {fmt_bytes(self.saved_bytes)}"
                  + ("" if self.limit is None else f"; peak_budget {fmt_bytes(self.limit)}"),
-                 f"  {'call':>4s} {'graph':>5s} {'saved':>12s} {'held':>12s} {'fw peak':>12s} {'bw peak':>12s} "
-                 f"{'grads':>12s} {'step at fw':>12s} {'step at bw':>12s}  budget"]
+                 f"  {'call':>4s} {'graph':>5s} {'saved':>12s} {'held':>12s} {'freed':>12s} {'fw peak':>12s} "
+                 f"{'bw peak':>12s} {'grads':>12s} {'step at fw':>12s} {'step at bw':>12s}  budget"]
         n = len(self.calls)
         for k, (i, plan, c) in enumerate(self.calls):
             budget = "-" if plan.budget is None else plan.budget.budget
-            lines.append(f"  {k:>4d} {i:>5d} {fmt_bytes(c.saved):>12s} {fmt_bytes(c.held):>12s} "
+            freed = "-" if self.released is None else fmt_bytes(self.released[k])
+            lines.append(f"  {k:>4d} {i:>5d} {fmt_bytes(c.saved):>12s} {fmt_bytes(c.held):>12s} {freed:>12s} "
                          f"{fmt_bytes(c.forward):>12s} {fmt_bytes(c.backward):>12s} {fmt_bytes(c.grads):>12s} "
                          f"{fmt_bytes(p.at[k]):>12s} {fmt_bytes(p.at[2 * n - 1 - k]):>12s}  {budget}")
         return "\n".join(lines)
@@ -591,5 +678,11 @@ def step_report() -> StepReport:
     calls = [g for g in STEP.finished() if g.plan is not None]
     costs = [g.cost for g in calls]
     limit = step_limit(calls[0].options) if calls and calls[0].options.step_peak not in (None, "auto") else None
-    return StepReport([(g.index, g.plan, c) for g, c in zip(calls, costs)], step_peak(costs) if calls else None,
-                      limit)
+    released = _released(calls)
+    return StepReport([(g.index, g.plan, c) for g, c in zip(calls, costs)],
+                      step_peak(costs, released) if calls else None, limit, released)
+
+
+def _released(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[CompiledGraph], Plan]] = None):
+    """released_bytes of the last step's ``calls`` under their plans (``plan_of``: candidate plans)."""
+    return released_bytes(calls, STEP.io_of(calls), plan_of or (lambda g: g.plan))

@@ -89,6 +89,8 @@ def test_step_peak_adds_what_earlier_calls_hold():
     # forwards: 20, 12+8, 18+8; backwards (reverse): 18+12, 12+3+12, 0+6+30
     assert got.at == (20, 20, 26, 30, 27, 36)
     assert (got.peak, got.call, got.phase) == (36, 0, "backward")
+    # the last call's held output freed before the backwards (nothing held it): 1 byte less from there on
+    assert step_peak([a, b, b], released=[0, 0, 1]).at == (20, 20, 26, 29, 27, 36)
 
 
 def test_step_report_lists_every_call_and_estimates_the_whole_step():
@@ -98,12 +100,51 @@ def test_step_report_lists_every_call_and_estimates_the_whole_step():
     assert len(report.calls) >= 2 and len(report.graphs) >= 2  # the graph break: several graphs, several calls
     plans = [plan for _, plan, _ in report.calls]
     assert report.saved_bytes == sum(p.peak.saved for p in plans)
-    assert report.peak.peak == step_peak([c for _, _, c in report.calls]).peak
+    assert report.peak.peak == step_peak([c for _, _, c in report.calls], report.released).peak
+    assert all(0 <= r <= c.held for r, (_, _, c) in zip(report.released, report.calls)), report.released
     assert report.peak.peak > max(p.peak.step for p in plans)  # the step holds more than any one graph
     assert abs(report.peak.peak - measured) <= 0.1 * measured, (report.peak.peak, measured)
     text = str(report)
     assert text.startswith(f"remat step: {len(report.calls)} calls of {len(report.graphs)} compiled graphs")
     assert "step at bw" in text
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["output dropped", "output held"])
+def test_the_step_estimate_frees_an_output_the_next_graph_reads_and_does_not_keep(hold):
+    """Hugging Face compiles the loss apart: the model's graph hands its logits to the loss graph.
+    At budget 0.2 the loss graph keeps its own log-softmax for backward, not its input, so the
+    logits die after the loss's forward unless the user's code holds them (the model's output
+    object kept through backward()). The whole-step estimate follows what the step did (each
+    output's liveness when the backward began, remat_fx/step.py released_bytes): dropped, it is
+    the measured peak (it counted the logits twice before, 31% over); held, it still counts them."""
+    import transformers
+
+    from remat_fx.measure import step_peak_bytes
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=2000, use_cache=False,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 2000, (4, 64), generator=torch.Generator().manual_seed(1))
+    fn = torch.compile(model, backend="remat", options={"memory_budget": 0.2, "lower": "eager"})
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        if hold:
+            out = fn(ids, labels=ids)
+            out.loss.backward()
+        else:
+            fn(ids, labels=ids).loss.backward()
+
+    step()
+    step()
+    model.zero_grad(set_to_none=True)
+    measured = step_peak_bytes(step)
+    report = remat.step_report()
+    assert len(report.calls) == 2, report  # the model's graph, then the loss's
+    logits = 4 * 64 * 2000 * 4
+    assert report.calls[0][2].held >= logits, report
+    assert abs(report.peak.peak - measured) <= 0.02 * measured, (report.peak.peak, measured, str(report))
 
 
 def test_a_forward_without_backward_is_not_part_of_the_next_step():
