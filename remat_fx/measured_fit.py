@@ -40,7 +40,7 @@ from remat_fx.memory_budget import fmt_bytes, parse_budget
 from remat_fx.options import BackendOptions
 from remat_fx.passes.peak import PeakInfeasible
 from remat_fx.passes.plan import record
-from remat_fx.ranks import agreed
+from remat_fx.ranks import agreed, together
 from remat_fx.step import STEP, CompiledGraph, _signature, auto_limit, candidates, estimate_curve, shared_options
 
 log = logging.getLogger("remat_fx")
@@ -172,7 +172,9 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
     graphs = list(dict.fromkeys(calls))
     STEP.planned[_signature(calls)] = "fit"  # the step coordinator leaves this step to the fit
     result = FitResult(limit, None, 0, graphs=len(graphs), calls=len(calls))
-    if agreed(all(getattr(g, "cached", False) for g in graphs), all):
+    # the cache is used only if every rank has the plans, and the same ones
+    mine = (all(getattr(g, "cached", False) for g in graphs), tuple(_fraction_of(g) for g in graphs))
+    if agreed(mine, lambda by_rank: all(c for c, _ in by_rank) and len({f for _, f in by_rank}) == 1):
         _drop_grads(leaves)
         measured = agreed(step_peak_bytes(run, device), max)
         fraction = _fraction_of(graphs[0])
@@ -190,8 +192,8 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
         return agreed(step_peak_bytes(run, device), max)
 
     def evaluate(f):
-        for g in graphs:
-            g.relower(shared_options(g.options, f))
+        together(lambda: [g.relower(shared_options(g.options, f)) for g in graphs],
+                 f"lowering the step's graphs at memory_budget {f}")
         run()  # the backward compiles lazily, and the allocator settles
         measured = max(measure(), measure())
         result.tried[f] = measured
@@ -238,8 +240,8 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
             f"{int(result.tried[least] / (1 - margin)):,} bytes, or shrink the step (batch, sequence length).")
     best = fits[-1]
     if list(result.tried)[-1] != best:
-        for g in graphs:
-            g.relower(shared_options(g.options, best))
+        together(lambda: [g.relower(shared_options(g.options, best)) for g in graphs],
+                 f"lowering the step's graphs at memory_budget {best}")
     for g in graphs:
         record(g.plan)
     result.fraction, result.measured = best, result.tried[best]
@@ -259,6 +261,8 @@ def _parameters(args, kwargs, params) -> Dict[int, "weakref.ref"]:
         if isinstance(params, torch.nn.Module):
             tensors += list(params.parameters())
         else:
+            if isinstance(params, dict):  # dict(model.named_parameters())
+                params = list(params.values())
             given = [params] if isinstance(params, torch.Tensor) else list(params) \
                 if isinstance(params, Iterable) else None
             if given is None or not all(isinstance(p, torch.Tensor) for p in given):

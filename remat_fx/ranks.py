@@ -126,7 +126,25 @@ def agreed(value: T, combine: Callable[[list], T]) -> T:
     (``torch.cuda.set_device``), as torch.distributed asks."""
     dist = _group()
     if dist is None:
-        return value
+        return combine([value])
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return combine(values)
+
+
+def together(fn: Callable[[], T], what: str) -> T:
+    """``fn()`` on every rank; if it raised on any rank, every rank raises (the rank's own error
+    where it failed, a RuntimeError naming that rank elsewhere) instead of going on into a step
+    whose collectives the failed rank never joins. A collective, as ``agreed``."""
+    try:
+        result, error = fn(), None
+    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+        result, error = None, e
+    words = agreed(None if error is None else f"{type(error).__name__}: {error}", lambda by_rank: by_rank)
+    if error is not None:
+        raise error
+    failed = [(r, w) for r, w in enumerate(words) if w is not None]
+    if failed:
+        rank, word = failed[0]
+        raise RuntimeError(f"remat_fx: rank {rank} of {len(words)} failed while {what}: {word}")
+    return result

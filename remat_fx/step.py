@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat_fx.memory_budget import Budget, fmt_bytes
 from remat_fx.options import BackendOptions
@@ -240,12 +241,16 @@ class CompiledGraph:
     def cost(self) -> CallCost:
         return call_cost(self.plan, self.grads)
 
-    def saved_input_indices(self, plan: Plan) -> set:
-        """Which of the graph's inputs (by position) ``plan`` keeps for backward."""
+    def saved_input_indices(self, plan: Plan, nargs: int) -> Optional[set]:
+        """Which of the graph's ``nargs`` inputs (by position) ``plan`` keeps for backward; None
+        where the joint graph's inputs are not the call's one for one (AOTAutograd merged duplicate
+        or aliased inputs, or flattened a tensor subclass)."""
         if self.joint is None:
-            return set()
+            return None
         gm, _, kwargs = self.joint
         primals = [n.name for n in gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+        if len(primals) != nargs:
+            return None
         where = {name: m for m, name in enumerate(primals)}
         return {where[s.storage] for s in plan.saved if s.storage in where}
 
@@ -270,44 +275,62 @@ class CompiledGraph:
 
 
 class CallIO:
-    """What one call of a compiled graph took in and gave out, seen at run time: which earlier
-    call's output each input was, and which of its outputs were still alive when the step's
-    backward began."""
+    """What one call of a compiled graph gave out, seen at run time: its outputs' storages (each
+    once, less those of its inputs: an output aliasing an input or a parameter adds nothing), which
+    later call read each as an input, and which storages were still alive when the step's backward
+    began. Weak references only: it keeps nothing alive."""
 
-    __slots__ = ("outputs", "sizes", "consumers", "alive")
+    __slots__ = ("outputs", "storage_of", "storages", "sizes", "consumers", "alive", "nargs")
 
-    def __init__(self, out):
+    def __init__(self, out, args):
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.outputs = [weakref.ref(t) for t in tensors]
-        self.sizes = [int(t.untyped_storage().nbytes()) for t in tensors]
-        # per output: (the later call's CallIO, input index) while the step runs; (its position among
-        # the step's calls, input index) once the backward began
-        self.consumers: List[list] = [[] for _ in tensors]
-        self.alive: Optional[List[bool]] = None  # per output, when the backward began
+        inputs = {StorageWeakRef(a.untyped_storage()).cdata for a in args if isinstance(a, torch.Tensor)}
+        self.outputs = [weakref.ref(t) for t in tensors]  # to know them as a later call's inputs
+        self.storage_of: List[Optional[int]] = []  # per output: index into storages (None: an input's)
+        self.storages: List[StorageWeakRef] = []
+        self.sizes: List[int] = []
+        where: Dict[int, int] = {}
+        for t in tensors:
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref.cdata in inputs:
+                self.storage_of.append(None)
+                continue
+            if ref.cdata not in where:
+                where[ref.cdata] = len(self.storages)
+                self.storages.append(ref)
+                self.sizes.append(int(t.untyped_storage().nbytes()))
+            self.storage_of.append(where[ref.cdata])
+        # per storage: (the later call's CallIO, input index) while the step runs; (its position
+        # among the step's calls, input index) once the backward began
+        self.consumers: List[list] = [[] for _ in self.storages]
+        self.alive: Optional[List[bool]] = None  # per storage, when the backward began
+        self.nargs = len(args)
 
 
 def released_bytes(calls: Sequence["CompiledGraph"], ios: Optional[Sequence[Optional[CallIO]]],
                    plan_of: Callable[["CompiledGraph"], Plan]) -> Optional[List[int]]:
     """Per call, bytes of its held outputs freed before the step's backward began (at most its
-    estimate's ``held``): outputs that were dead by then (nothing held them: a loss graph read them
-    and did not save them, or the user's code dropped them), unless a later call's plan from
-    ``plan_of`` saves the input they were (then they live until that call's backward). An output
+    estimate's ``held``): output storages that were gone by then (nothing held them: a loss graph
+    read them and did not keep them, and the user's code dropped them), unless a later call's plan
+    from ``plan_of`` keeps the input they were (then they live until that call's backward; where the
+    call's inputs cannot be matched with its joint graph's, they are taken as kept). A storage
     alive when the backward began stays held whatever the plans (the user's code may hold it: a
-    model's output object kept through ``backward()``). None without the run-time record."""
+    model's output object kept through ``backward()``; or its own graph saved it). None without
+    the run-time record."""
     if ios is None or len(ios) != len(calls) or any(io is None or io.alive is None for io in ios):
         return None
-    saved_inputs: Dict[int, set] = {}
+    saved_inputs: Dict[int, Optional[set]] = {}
     out = []
     for i, (g, io) in enumerate(zip(calls, ios)):
         freed = 0
-        for k, size in enumerate(io.sizes):
-            if io.alive[k]:
+        for s, size in enumerate(io.sizes):
+            if io.alive[s]:
                 continue
             kept = False
-            for j, m in io.consumers[k]:
+            for j, m in io.consumers[s]:
                 if j not in saved_inputs:
-                    saved_inputs[j] = calls[j].saved_input_indices(plan_of(calls[j]))
-                kept = kept or m in saved_inputs[j]
+                    saved_inputs[j] = calls[j].saved_input_indices(plan_of(calls[j]), ios[j].nargs)
+                kept = kept or saved_inputs[j] is None or m in saved_inputs[j]
             freed += 0 if kept else size
         out.append(min(freed, plan_of(g).peak.held))
     return out
@@ -350,6 +373,7 @@ class _Step:
         self.calls: List[Tuple[CompiledGraph, Callable, CallIO]] = []  # (graph, weak ref. to its _Pending, its I/O)
         self.last: List[CompiledGraph] = []  # the calls of the last step
         self.last_io: List[CallIO] = []  # and what they took in and gave out
+        self.made: Dict[int, tuple] = {}  # id of an output of this step's calls -> (its CallIO, index, weakref)
         self.backward_began = False
         self.leaves: Optional[Dict[int, weakref.ref]] = None  # while remat.fit collects them: the inputs needing grad
         self.planned: Dict[tuple, object] = {}  # step signature -> shared fraction chosen (None: kept)
@@ -357,9 +381,12 @@ class _Step:
 
     def enter(self, graph: CompiledGraph) -> None:
         if self.backward_began:  # the first forward after a backward: a new step
-            self.calls, self.backward_began = [], False
+            self.calls, self.made, self.backward_began = [], {}, False
             _after_step(self.last)
         self.calls = [c for c in self.calls[-self._MAX_CALLS:] if c[1]() is not None]
+        if len(self.made) > 4 * self._MAX_CALLS:  # forwards without a backward: only the calls kept
+            self.made = {id(r()): (io, k, r) for _, _, io in self.calls for k, r in enumerate(io.outputs)
+                         if r() is not None}
 
     def watch(self, graph: CompiledGraph, out, args=()) -> None:
         node = _graph_node(out)
@@ -367,19 +394,13 @@ class _Step:
             return
         pending = _Pending()
         node.register_prehook(pending)
-        io = CallIO(out)
-        # which earlier call's output each input is (by identity, while both are alive)
-        made = {}
-        for _, alive, earlier in self.calls:
-            if alive() is not None:
-                for k, ref in enumerate(earlier.outputs):
-                    t = ref()
-                    if t is not None:
-                        made[id(t)] = (earlier, k, t)
-        for m, a in enumerate(args):
-            found = made.get(id(a))
-            if found is not None and found[2] is a:
-                found[0].consumers[found[1]].append((io, m))
+        io = CallIO(out, args)
+        for m, a in enumerate(args):  # which earlier call's output each input is (by identity)
+            found = self.made.get(id(a))
+            if found is not None and found[2]() is a and found[0].storage_of[found[1]] is not None:
+                found[0].consumers[found[0].storage_of[found[1]]].append((io, m))
+        for k, ref in enumerate(io.outputs):
+            self.made[id(ref())] = (io, k, ref)
         self.calls.append((graph, weakref.ref(pending), io))
 
     def began(self) -> None:
@@ -389,7 +410,7 @@ class _Step:
             live = [c for c in self.calls if c[1]() is not None]
             position = {id(io): n for n, (_, _, io) in enumerate(live)}
             for _, _, io in live:  # consumers as positions among the step's calls
-                io.alive = [ref() is not None for ref in io.outputs]
+                io.alive = [not ref.expired() for ref in io.storages]
                 io.consumers = [[(position[id(later)], m) for later, m in uses if id(later) in position]
                                 for uses in io.consumers]
             self.backward_began, self.last, self.last_io = True, [c[0] for c in live], [c[2] for c in live]

@@ -109,14 +109,15 @@ def test_step_report_lists_every_call_and_estimates_the_whole_step():
     assert "step at bw" in text
 
 
-@pytest.mark.parametrize("hold", [False, True], ids=["output dropped", "output held"])
+@pytest.mark.parametrize("hold", [None, "output", "detached"], ids=["output dropped", "output held", "detached kept"])
 def test_the_step_estimate_frees_an_output_the_next_graph_reads_and_does_not_keep(hold):
     """Hugging Face compiles the loss apart: the model's graph hands its logits to the loss graph.
     At budget 0.2 the loss graph keeps its own log-softmax for backward, not its input, so the
     logits die after the loss's forward unless the user's code holds them (the model's output
-    object kept through backward()). The whole-step estimate follows what the step did (each
-    output's liveness when the backward began, remat_fx/step.py released_bytes): dropped, it is
-    the measured peak (it counted the logits twice before, 31% over); held, it still counts them."""
+    object kept through backward(), or a detached view of the logits). The whole-step estimate
+    follows what the step did (each output storage's liveness when the backward began,
+    remat_fx/step.py released_bytes): dropped, it is the measured peak (it counted the logits twice
+    before, 31% over); held, it still counts them."""
     import transformers
 
     from remat_fx.measure import step_peak_bytes
@@ -130,9 +131,15 @@ def test_the_step_estimate_frees_an_output_the_next_graph_reads_and_does_not_kee
 
     def step():
         model.zero_grad(set_to_none=True)
-        if hold:
+        if hold == "output":
             out = fn(ids, labels=ids)
             out.loss.backward()
+        elif hold == "detached":  # a new tensor object on the logits' storage, kept through backward
+            out = fn(ids, labels=ids)
+            kept = out.logits.detach()  # noqa: F841
+            loss = out.loss
+            del out
+            loss.backward()
         else:
             fn(ids, labels=ids).loss.backward()
 
@@ -269,6 +276,23 @@ def test_fit_checks_its_params_when_given():
     with pytest.raises(TypeError, match=r"got list"):
         remat.fit(lambda: ran.append(1), peak="1MiB", params=[torch.zeros(1), "w"])
     assert ran == []
+
+
+def test_fit_keeps_a_byte_memory_budget_for_the_whole_step():
+    """With a byte memory_budget, remat.fit tries only the shared budgets whose whole-step saved
+    bytes fit it (and the one that saves least, if none does): a loose peak keeps that limit."""
+    _, step = make({"lower": "eager"})
+    step()
+    calls = STEP.finished()
+    saved = sum(g.plan.total_bytes for g in calls)
+    torch._dynamo.reset()
+    STEP.reset()
+    _, step = make({"lower": "eager", "memory_budget": saved // 2})
+    free = _measure(step)
+    result = remat.fit(step, peak=4 * free, cache=False)
+    assert not result.cached and result.tried, result  # searched (nothing cached), on the grid it kept
+    assert sum(g.plan.total_bytes for g in STEP.finished()) <= saved // 2
+    assert result.measured <= 4 * free
 
 
 def test_fit_names_the_least_measured_peak_when_nothing_fits():
