@@ -284,27 +284,36 @@ class CallIO:
 
     def __init__(self, out, args):
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        inputs = {StorageWeakRef(a.untyped_storage()).cdata for a in args if isinstance(a, torch.Tensor)}
+        inputs = {_storage_key(a) for a in args if isinstance(a, torch.Tensor)}
         self.outputs = [weakref.ref(t) for t in tensors]  # to know them as a later call's inputs
         self.storage_of: List[Optional[int]] = []  # per output: index into storages (None: an input's)
         self.storages: List[StorageWeakRef] = []
         self.sizes: List[int] = []
         where: Dict[int, int] = {}
         for t in tensors:
-            ref = StorageWeakRef(t.untyped_storage())
-            if ref.cdata in inputs:
+            key = _storage_key(t)
+            if key is None or key in inputs:  # an input's (or no storage of its own: a tensor subclass)
                 self.storage_of.append(None)
                 continue
-            if ref.cdata not in where:
-                where[ref.cdata] = len(self.storages)
-                self.storages.append(ref)
+            if key not in where:
+                where[key] = len(self.storages)
+                self.storages.append(StorageWeakRef(t.untyped_storage()))
                 self.sizes.append(int(t.untyped_storage().nbytes()))
-            self.storage_of.append(where[ref.cdata])
+            self.storage_of.append(where[key])
         # per storage: (the later call's CallIO, input index) while the step runs; (its position
         # among the step's calls, input index) once the backward began
         self.consumers: List[list] = [[] for _ in self.storages]
         self.alive: Optional[List[bool]] = None  # per storage, when the backward began
         self.nargs = len(args)
+
+
+def _storage_key(t: torch.Tensor) -> Optional[int]:
+    """The identity of ``t``'s storage while it is alive (its StorageImpl's address, as
+    StorageWeakRef's cdata), None for a tensor without one (a wrapper subclass)."""
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:  # noqa: BLE001 - subclasses without storage raise various errors
+        return None
 
 
 def released_bytes(calls: Sequence["CompiledGraph"], ios: Optional[Sequence[Optional[CallIO]]],
