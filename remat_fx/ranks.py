@@ -117,7 +117,7 @@ def on_every_rank(compile_graph: Callable[[], T], budgeted: bool, example_inputs
 
 def agreed(value: T, combine: Callable[[list], T]) -> T:
     """``combine`` of every rank's ``value`` (a list by rank), under a default process group of two
-    ranks or more; ``value`` itself without one. A collective (``all_gather_object``, public): every
+    ranks or more; ``combine([value])`` without one. A collective (``all_gather_object``, public): every
     rank must call it at the same point. remat.fit takes its decisions on the ranks' agreed figures
     (the largest measured peak, ...), so that every rank runs the same number of steps, lowers the
     same plans and fails, when nothing fits, together; on per-rank figures the ranks' searches could
