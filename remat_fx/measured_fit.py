@@ -206,8 +206,9 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
     grid = candidates(graphs[0].options)
     if saved_limit is not None:  # a byte memory_budget holds for the whole step too
         saved = estimate_curve(calls, fractions=grid)
-        kept = agreed([f for f in grid if saved[f][1] <= saved_limit], lambda by_rank: by_rank)
-        grid = [f for f in grid if all(f in k for k in kept)] or grid[-1:]  # every rank's
+        fits_all = agreed([f for f in grid if saved[f][1] <= saved_limit],  # on every rank
+                          lambda by_rank: [f for f in grid if all(f in k for k in by_rank)])
+        grid = fits_all or grid[-1:]
     curve = estimate_curve(calls, fractions=grid, stop=lambda peak, _: peak <= target)
     result.estimates = {f: peak for f, (peak, _) in curve.items()}
     fitting = [f for f, e in result.estimates.items() if e <= target]

@@ -34,10 +34,10 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from remat_fx.memory_budget import Budget, fmt_bytes
 from remat_fx.options import BackendOptions
+from remat_fx.runtime.torch_compat import storage_key, storage_ref
 from remat_fx.passes import partition as _partition
 from remat_fx.passes.budget import BudgetInfeasible
 from remat_fx.passes.lower import copy_dynamo_graph as _copy_dynamo_graph
@@ -280,40 +280,31 @@ class CallIO:
     later call read each as an input, and which storages were still alive when the step's backward
     began. Weak references only: it keeps nothing alive."""
 
-    __slots__ = ("outputs", "storage_of", "storages", "sizes", "consumers", "alive", "nargs")
+    __slots__ = ("outputs", "storage_of", "expired", "sizes", "consumers", "alive", "nargs")
 
     def __init__(self, out, args):
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        inputs = {_storage_key(a) for a in args if isinstance(a, torch.Tensor)}
+        inputs = {storage_key(a) for a in args if isinstance(a, torch.Tensor)}
         self.outputs = [weakref.ref(t) for t in tensors]  # to know them as a later call's inputs
-        self.storage_of: List[Optional[int]] = []  # per output: index into storages (None: an input's)
-        self.storages: List[StorageWeakRef] = []
+        self.storage_of: List[Optional[int]] = []  # per output: index of its storage (None: an input's)
+        self.expired: List[Callable[[], bool]] = []  # per storage: whether it is gone
         self.sizes: List[int] = []
         where: Dict[int, int] = {}
         for t in tensors:
-            key = _storage_key(t)
+            key = storage_key(t)
             if key is None or key in inputs:  # an input's (or no storage of its own: a tensor subclass)
                 self.storage_of.append(None)
                 continue
             if key not in where:
-                where[key] = len(self.storages)
-                self.storages.append(StorageWeakRef(t.untyped_storage()))
+                where[key] = len(self.sizes)
+                self.expired.append(storage_ref(t)[1])
                 self.sizes.append(int(t.untyped_storage().nbytes()))
             self.storage_of.append(where[key])
         # per storage: (the later call's CallIO, input index) while the step runs; (its position
         # among the step's calls, input index) once the backward began
-        self.consumers: List[list] = [[] for _ in self.storages]
+        self.consumers: List[list] = [[] for _ in self.sizes]
         self.alive: Optional[List[bool]] = None  # per storage, when the backward began
         self.nargs = len(args)
-
-
-def _storage_key(t: torch.Tensor) -> Optional[int]:
-    """The identity of ``t``'s storage while it is alive (its StorageImpl's address, as
-    StorageWeakRef's cdata), None for a tensor without one (a wrapper subclass)."""
-    try:
-        return t.untyped_storage()._cdata
-    except Exception:  # noqa: BLE001 - subclasses without storage raise various errors
-        return None
 
 
 def released_bytes(calls: Sequence["CompiledGraph"], ios: Optional[Sequence[Optional[CallIO]]],
@@ -419,7 +410,7 @@ class _Step:
             live = [c for c in self.calls if c[1]() is not None]
             position = {id(io): n for n, (_, _, io) in enumerate(live)}
             for _, _, io in live:  # consumers as positions among the step's calls
-                io.alive = [not ref.expired() for ref in io.storages]
+                io.alive = [not expired() for expired in io.expired]
                 io.consumers = [[(position[id(later)], m) for later, m in uses if id(later) in position]
                                 for uses in io.consumers]
             self.backward_began, self.last, self.last_io = True, [c[0] for c in live], [c[2] for c in live]
