@@ -28,6 +28,9 @@ _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_
                "argmax", "argmin", "logsumexp"}
 _COPIES = {"clone", "_to_copy", "copy", "expand", "alias", "lift_fresh_copy", "empty_like", "zeros_like",
            "ones_like", "full_like", "full", "scalar_tensor", "iota", "arange"}
+# indexed reads Inductor lowers as pointwise loads at computed indices: a pointwise producer is
+# computed inside them (a cross-entropy's log-softmax inside its gather of the targets' entries)
+_INDEXED_READS = {"gather", "index"}
 
 
 def fusible(node: fx.Node) -> bool:
@@ -40,7 +43,7 @@ def fusible(node: fx.Node) -> bool:
     if target.is_view or torch.Tag.pointwise in target.tags:
         return True
     name = target.overloadpacket.__name__
-    return name in _REDUCTIONS or name in _COPIES
+    return name in _REDUCTIONS or name in _COPIES or name in _INDEXED_READS
 
 
 # Ops torch.utils.flop_counter has no formula for, counted by the formula of an op whose leading

@@ -178,12 +178,24 @@ def _body(x, node: fx.Node, inputs: Callable, src: Callable, inlined: Set, body_
     heavy = node.target.overloadpacket.__name__ in _HEAVY
     reads: Set = set()
     for m in inputs(x):
-        if m in inlined:
+        m = _through_views(m, inputs, src, facts)
+        if m in body_of:
             h, r = body_of[m]
             heavy, reads = heavy or h, reads | r
         else:
             reads.add(node_facts(src(m), facts).base)
     return heavy, reads
+
+
+def _through_views(m, inputs: Callable, src: Callable, facts: dict):
+    """What a read of ``m`` reads: through views (an expand of an inlined iota reads no buffer; the
+    iota is computed in place, as Inductor's ``num_reads`` counts), to the op that made the values."""
+    while (facts.get(src(m)) or node_facts(src(m), facts)).view:
+        tensors = [i for i in inputs(m) if isinstance(src(i).meta.get("val"), torch.Tensor)]
+        if len(tensors) != 1:
+            break
+        m = tensors[0]
+    return m
 
 
 def pointwise_op(node: fx.Node) -> bool:
