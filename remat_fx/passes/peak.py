@@ -11,8 +11,10 @@ other outputs, like the loss, held through the backward).
 Under the Inductor lowering the graphs are not run op by op (``inlined_nodes``): a pointwise op
 whose readers are all fusible is computed inside them (no memory of its own; its inputs stay alive
 until its last reader), unless Inductor materialises it on reuse (several readers and a heavy body
-or many reads); an mm read only by an add runs as that add's addmm; a pointwise kernel writes its
-output over an input of its size that dies there (``_in_place``). These follow Inductor's own
+or many reads, counted as Inductor does: a view of an op computed in place reads no buffer); a
+gather computes the pointwise op it reads at its indices; an mm read only by an add runs as that
+add's addmm; a pointwise kernel writes its output over an input of its size that dies there
+(``_in_place``). These follow Inductor's own
 rules, checked against the buffers of the code it generates. Inductor's buffer reuse (a dead
 buffer kept for a later one of its size, up to Inductor's own estimate of the peak) is not
 modelled: with a memory or peak budget passes/lower.py turns it off.
