@@ -76,11 +76,15 @@ class StepPeak:
     at: Tuple[int, ...]  # the step's estimated bytes at each call's forward, then each backward (reverse)
 
 
-def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = None) -> StepPeak:
+def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = None,
+              later: Optional[Sequence[int]] = None) -> StepPeak:
     """The estimated peak of a step whose forwards run in the order of ``costs`` and whose
     backwards run in reverse. ``released[i]``: bytes of call i's held outputs that are freed before
-    the backwards (:func:`released_bytes`; by default none: each is held until its call's backward)."""
+    the backwards (:func:`released_bytes`; by default none: each is held until its call's backward);
+    ``later[i]``: bytes of the others freed during the later calls' backwards, before call i's (a
+    loss graph that saved the logits it read frees them with its backward)."""
     released = [0] * len(costs) if released is None or len(released) != len(costs) else released
+    later = [0] * len(costs) if later is None or len(later) != len(costs) else later
     at: List[int] = []
     best = (0, 0, "forward")
     base = 0
@@ -94,7 +98,7 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
     for i in reversed(range(len(costs))):
         c = costs[i]
         base -= c.saved + c.held - released[i]
-        at.append(base + grads + c.backward - released[i])
+        at.append(base + grads + c.backward - released[i] - later[i])
         if at[-1] > best[0]:
             best = (at[-1], i, "backward")
         grads += c.grads
@@ -280,7 +284,7 @@ class CallIO:
     later call read each as an input, and which storages were still alive when the step's backward
     began. Weak references only: it keeps nothing alive."""
 
-    __slots__ = ("outputs", "storage_of", "expired", "sizes", "consumers", "alive", "nargs")
+    __slots__ = ("outputs", "storage_of", "expired", "sizes", "consumers", "alive", "alive_at_own", "nargs")
 
     def __init__(self, out, args):
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -304,44 +308,60 @@ class CallIO:
         # among the step's calls, input index) once the backward began
         self.consumers: List[list] = [[] for _ in self.sizes]
         self.alive: Optional[List[bool]] = None  # per storage, when the backward began
+        self.alive_at_own: Optional[List[bool]] = None  # per storage, when this call's backward began
         self.nargs = len(args)
 
 
 def released_bytes(calls: Sequence["CompiledGraph"], ios: Optional[Sequence[Optional[CallIO]]],
-                   plan_of: Callable[["CompiledGraph"], Plan]) -> Optional[List[int]]:
-    """Per call, bytes of its held outputs freed before the step's backward began (at most its
-    estimate's ``held``): output storages that were gone by then (nothing held them: a loss graph
-    read them and did not keep them, and the user's code dropped them), unless a later call's plan
-    from ``plan_of`` keeps the input they were (then they live until that call's backward; where the
-    call's inputs cannot be matched with its joint graph's, they are taken as kept). A storage
-    alive when the backward began stays held whatever the plans (the user's code may hold it: a
-    model's output object kept through ``backward()``; or its own graph saved it). None without
-    the run-time record."""
+                   plan_of: Callable[["CompiledGraph"], Plan]) -> Optional[Tuple[List[int], List[int]]]:
+    """Per call, (bytes of its held outputs freed before the step's backward began, bytes freed
+    during the later calls' backwards), together at most its estimate's ``held``. Before: output
+    storages that were gone by then (nothing held them: a loss graph read them and did not keep
+    them, and the user's code dropped them), unless a later call's plan from ``plan_of`` keeps the
+    input they were; those live until that call's backward (where the call's inputs cannot be
+    matched with its joint graph's, they are taken as kept), as do storages alive when the backward
+    began and gone when the call's own backward began (a later call's graph saved them). A storage
+    alive at both stays held whatever the plans (the user's code may hold it: a model's output
+    object kept through ``backward()``; or its own graph saved it). None without the run-time record."""
     if ios is None or len(ios) != len(calls) or any(io is None or io.alive is None for io in ios):
         return None
     saved_inputs: Dict[int, Optional[set]] = {}
-    out = []
+    early, late = [], []
     for i, (g, io) in enumerate(zip(calls, ios)):
-        freed = 0
+        freed = later = 0
         for s, size in enumerate(io.sizes):
             if io.alive[s]:
+                if io.alive_at_own is not None and not io.alive_at_own[s]:
+                    later += size
                 continue
             kept = False
             for j, m in io.consumers[s]:
                 if j not in saved_inputs:
                     saved_inputs[j] = calls[j].saved_input_indices(plan_of(calls[j]), ios[j].nargs)
                 kept = kept or saved_inputs[j] is None or m in saved_inputs[j]
-            freed += 0 if kept else size
-        out.append(min(freed, plan_of(g).peak.held))
-    return out
+            if kept:
+                later += size
+            else:
+                freed += size
+        held = plan_of(g).peak.held
+        early.append(min(freed, held))
+        late.append(min(later, held - early[-1]))
+    return early, late
 
 
 class _Pending:
     """Registered as a pre-hook on the autograd node of one call's outputs: alive while that call's
     autograd graph is (its saved tensors too), and told when its backward begins."""
 
+    __slots__ = ("io", "__weakref__")
+
+    def __init__(self, io: "CallIO"):
+        self.io = io  # weak references only
+
     def __call__(self, grad_outputs):
         STEP.began()
+        if self.io.alive is not None and self.io.alive_at_own is None:  # which outputs the later backwards freed
+            self.io.alive_at_own = [not expired() for expired in self.io.expired]
 
 
 def _graph_node(out):
@@ -392,9 +412,9 @@ class _Step:
         node = _graph_node(out)
         if node is None:
             return
-        pending = _Pending()
-        node.register_prehook(pending)
         io = CallIO(out, args)
+        pending = _Pending(io)
+        node.register_prehook(pending)
         for m, a in enumerate(args):  # which earlier call's output each input is (by identity)
             found = self.made.get(id(a))
             if found is not None and found[2]() is a and found[0].storage_of[found[1]] is not None:
@@ -542,7 +562,7 @@ def _after_step(calls: List[CompiledGraph]) -> None:
         plan_step(calls, fraction=opts.step_peak.fraction, saved_limit=saved_limit)
         return
     over = any(g.over for g in calls)
-    if limit is not None and step_peak([g.cost for g in calls], _released(calls)).peak > limit:
+    if limit is not None and step_peak([g.cost for g in calls], *_released(calls)).peak > limit:
         over = True
     if saved_limit is not None and sum(g.plan.total_bytes for g in calls) > saved_limit:
         over = True
@@ -594,7 +614,7 @@ def estimate_curve(calls: Sequence[CompiledGraph], fractions: Optional[Sequence]
         for g in graphs:
             plan = plans[g] = g.estimate(shared_options(g.options, f))
             costs[g], saved[g] = call_cost(plan, g.grads), plan.total_bytes
-        curve[f] = (step_peak([costs[g] for g in calls], _released(calls, plans.__getitem__)).peak,
+        curve[f] = (step_peak([costs[g] for g in calls], *_released(calls, plans.__getitem__)).peak,
                     sum(saved[g] for g in calls))
         log.info("remat_fx: step of %d calls of %d graphs, shared memory_budget %s: estimated peak %s, saved %s "
                  "(%.1f s)", len(calls), len(graphs), "-" if f is None else f"{f:g}", fmt_bytes(curve[f][0]),
@@ -664,6 +684,8 @@ class StepReport:
     limit: Optional[int] = None
     # per call, bytes of its held outputs that were dead when the backward began (released_bytes)
     released: Optional[List[int]] = None
+    # per call, bytes of its held outputs freed during the later calls' backwards, before its own
+    later: Optional[List[int]] = None
 
     @property
     def graphs(self) -> Dict[int, Plan]:
@@ -681,13 +703,14 @@ class StepReport:
         lines = [f"remat step: {len(self.calls)} calls of {len(self.graphs)} compiled graphs; estimated step peak "
                  f"{fmt_bytes(p.peak)} (at the {p.phase} of call {p.call}), saved for backward {fmt_bytes(self.saved_bytes)}"
                  + ("" if self.limit is None else f"; peak_budget {fmt_bytes(self.limit)}"),
-                 f"  {'call':>4s} {'graph':>5s} {'saved':>12s} {'held':>12s} {'freed':>12s} {'fw peak':>12s} "
+                 f"  {'call':>4s} {'graph':>5s} {'saved':>12s} {'held':>12s} {'freed':>12s} {'freed later':>12s} {'fw peak':>12s} "
                  f"{'bw peak':>12s} {'grads':>12s} {'step at fw':>12s} {'step at bw':>12s}  budget"]
         n = len(self.calls)
         for k, (i, plan, c) in enumerate(self.calls):
             budget = "-" if plan.budget is None else plan.budget.budget
             freed = "-" if self.released is None else fmt_bytes(self.released[k])
-            lines.append(f"  {k:>4d} {i:>5d} {fmt_bytes(c.saved):>12s} {fmt_bytes(c.held):>12s} {freed:>12s} "
+            later = "-" if self.later is None else fmt_bytes(self.later[k])
+            lines.append(f"  {k:>4d} {i:>5d} {fmt_bytes(c.saved):>12s} {fmt_bytes(c.held):>12s} {freed:>12s} {later:>12s} "
                          f"{fmt_bytes(c.forward):>12s} {fmt_bytes(c.backward):>12s} {fmt_bytes(c.grads):>12s} "
                          f"{fmt_bytes(p.at[k]):>12s} {fmt_bytes(p.at[2 * n - 1 - k]):>12s}  {budget}")
         return "\n".join(lines)
@@ -699,11 +722,13 @@ def step_report() -> StepReport:
     calls = [g for g in STEP.finished() if g.plan is not None]
     costs = [g.cost for g in calls]
     limit = step_limit(calls[0].options) if calls and calls[0].options.step_peak not in (None, "auto") else None
-    released = _released(calls)
+    released, later = _released(calls)
     return StepReport([(g.index, g.plan, c) for g, c in zip(calls, costs)],
-                      step_peak(costs, released) if calls else None, limit, released)
+                      step_peak(costs, released, later) if calls else None, limit, released, later)
 
 
 def _released(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[CompiledGraph], Plan]] = None):
-    """released_bytes of the last step's ``calls`` under their plans (``plan_of``: candidate plans)."""
-    return released_bytes(calls, STEP.io_of(calls), plan_of or (lambda g: g.plan))
+    """released_bytes of the last step's ``calls`` under their plans (``plan_of``: candidate plans):
+    (before the backwards, during the later backwards), or (None, None)."""
+    found = released_bytes(calls, STEP.io_of(calls), plan_of or (lambda g: g.plan))
+    return (None, None) if found is None else found
