@@ -9,7 +9,9 @@ group's timeout (NCCL). Here every rank, after compiling a training graph with a
 budget, writes whether it could into the process group's store and waits (at most ``WAIT_S``
 seconds) for the other ranks' word on the same graph: when one could not, every rank raises an
 error naming that rank and its message (the same class for ``BudgetInfeasible`` and
-``PeakInfeasible``, else a RuntimeError). A rank that could not raises at once.
+``PeakInfeasible``, else a RuntimeError). A rank that could not raises at once. A step of several graphs with a whole-step limit,
+planned again as a whole once it has run (remat_fx/step.py ``_after_step``), exchanges its word the
+same way (``plan_on_every_rank``), on every rank, planning or not.
 
 Which graphs take part: training graphs (grad mode on, an input that requires grad) with a budget,
 on their frame's first compile (Dynamo's compile id), counted per rank in compile order by a
@@ -75,19 +77,55 @@ def _training(example_inputs: Sequence) -> bool:
 def on_every_rank(compile_graph: Callable[[], T], budgeted: bool, example_inputs: Sequence) -> T:
     """``compile_graph()``, whose failure on any rank of the default process group fails every
     rank, for the graphs the module doc names."""
-    from remat_fx.passes.budget import BudgetInfeasible
-    from remat_fx.passes.peak import PeakInfeasible
-
     dist = _group() if budgeted and WAIT_S > 0 and _training(example_inputs) and _first_compile() else None
     if dist is None:
         return compile_graph()
+    return _exchange(dist, _PREFIX, compile_graph,
+                     lambda index: f"compile a graph that this rank could (training graph {index} with a budget, "
+                                   f"counted from 0 on each rank)",
+                     lambda rank, index: f"rank {rank} compiled its graph {index}; the other ranks did not say within "
+                                         f"{WAIT_S:g} s whether they could compile theirs")
+
+
+def first_compile() -> bool:
+    """Whether Dynamo is compiling a frame for the first time (not a recompile on new shapes)."""
+    return _first_compile()
+
+
+def plan_on_every_rank(plan_step: Callable[[], T], first_compiles: bool) -> T:
+    """``plan_step()``: a step of several graphs with a whole-step limit, planned again as a whole
+    once it has run (remat_fx/step.py ``_after_step``), whose failure on any rank fails every rank.
+    Each rank plans on its own estimates, so with uneven inputs one rank may find no plan that fits
+    while the others go on; they went on into the step's collectives, where the failed rank never
+    came (gloo: "Connection closed by peer"; NCCL: a hang until the process group's timeout). Every
+    rank calls this once per new step of budgeted graphs, planning or not, and waits (at most
+    ``WAIT_S``) for the others' word. ``first_compiles``: every graph of the step from its frame's
+    first compile; a step with a recompile (new shapes on one rank) is not waited on."""
+    dist = _group() if WAIT_S > 0 and first_compiles else None
+    if dist is None:
+        return plan_step()
+    return _exchange(dist, "remat_fx/step", plan_step,
+                     lambda index: f"plan its step within the whole-step limit, which this rank could (step {index} "
+                                   f"planned as a whole, counted from 0 on each rank)",
+                     lambda rank, index: f"rank {rank} planned its step {index} as a whole; the other ranks did not "
+                                         f"say within {WAIT_S:g} s whether they could plan theirs")
+
+
+def _exchange(dist, prefix: str, fn: Callable[[], T], failed: Callable[[int], str],
+              timed_out: Callable[[int, int], str]) -> T:
+    """``fn()`` on this rank, then its word ("ok", or the error) in the process group's store, under
+    this rank's count of ``prefix`` exchanges, and the other ranks' word on the same count: an error
+    of theirs is raised here too (the same class for BudgetInfeasible and PeakInfeasible)."""
     from torch.distributed.distributed_c10d import _get_default_store
 
+    from remat_fx.passes.budget import BudgetInfeasible
+    from remat_fx.passes.peak import PeakInfeasible
+
     store, rank, world = _get_default_store(), dist.get_rank(), dist.get_world_size()
-    index = store.add(f"{_PREFIX}/count/{rank}", 1) - 1  # this rank's graphs so far, in the store's lifetime
-    key = f"{_PREFIX}/{index}/"
+    index = store.add(f"{prefix}/count/{rank}", 1) - 1  # this rank's exchanges so far, in the store's lifetime
+    key = f"{prefix}/{index}/"
     try:
-        result = compile_graph()
+        result = fn()
     except Exception as e:
         try:
             store.set(key + str(rank), f"{type(e).__name__}\n{e}")
@@ -99,8 +137,7 @@ def on_every_rank(compile_graph: Callable[[], T], budgeted: bool, example_inputs
     try:
         store.wait(others, datetime.timedelta(seconds=WAIT_S))
     except Exception as e:  # noqa: BLE001 - the store's timeout error differs across versions
-        log.warning("remat_fx: rank %d compiled its graph %d; the other ranks did not say within %g s whether they "
-                    "could compile theirs (%s): going on", rank, index, WAIT_S, str(e).splitlines()[0][:200])
+        log.warning("remat_fx: %s (%s): going on", timed_out(rank, index), str(e).splitlines()[0][:200])
         return result
     for r in range(world):
         if r == rank:
@@ -109,10 +146,8 @@ def on_every_rank(compile_graph: Callable[[], T], budgeted: bool, example_inputs
         if word != "ok":
             name, message = word.split("\n", 1)
             error = {"BudgetInfeasible": BudgetInfeasible, "PeakInfeasible": PeakInfeasible}.get(name, RuntimeError)
-            raise error(f"remat_fx: rank {r} of {world} could not compile a graph that this rank could (training "
-                        f"graph {index} with a budget, counted from 0 on each rank): {name}: {message}")
+            raise error(f"remat_fx: rank {r} of {world} could not {failed(index)}: {name}: {message}")
     return result
-
 
 
 def agreed(value: T, combine: Callable[[list], T]) -> T:

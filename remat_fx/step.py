@@ -188,6 +188,7 @@ class CompiledGraph:
         self.grads = 0
         self.active: Optional[BackendOptions] = None  # what it was lowered with
         self.over = False  # planned with less than the step's limit left for it
+        self.first_compile = True  # compiled on its frame's first compile (not a recompile on new shapes)
         self.cached = False  # compiled with a plan from remat.fit's cache
         self.seconds = 0.0  # compile time
 
@@ -504,11 +505,14 @@ def graph_options(options: BackendOptions, before: Optional[Sequence[CompiledGra
 def compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) -> CompiledGraph:
     """Lower one graph for the backend, planned for the step it is part of. Under a process group,
     a budgeted graph that one rank cannot plan fails on every rank (remat_fx/ranks.py)."""
-    from remat_fx.ranks import on_every_rank
+    from remat_fx.ranks import first_compile, on_every_rank
 
     budgeted = any(v is not None for v in (options.memory_budget, options.peak_budget, options.peak_fraction,
                                            options.step_peak))
-    return on_every_rank(lambda: _compile_graph(gm, example_inputs, options), budgeted, example_inputs)
+    first = first_compile()
+    graph = on_every_rank(lambda: _compile_graph(gm, example_inputs, options), budgeted, example_inputs)
+    graph.first_compile = first
+    return graph
 
 
 def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) -> CompiledGraph:
@@ -555,9 +559,18 @@ def _after_step(calls: List[CompiledGraph]) -> None:
     if sig in STEP.planned:
         return
     STEP.planned[sig] = None
-    limit = step_limit(opts)
     budget = opts.memory_budget
     saved_limit = budget.nbytes if budget is not None else None
+    if opts.step_peak is None and saved_limit is None:
+        return  # no whole-step limit: nothing to plan as a whole
+    from remat_fx.ranks import plan_on_every_rank
+
+    # every rank of a process group, planning or not: one that finds no plan fails them all
+    plan_on_every_rank(lambda: _plan_if_needed(calls, opts, saved_limit), all(g.first_compile for g in calls))
+
+
+def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limit: Optional[int]) -> None:
+    limit = step_limit(opts)
     if limit is None and opts.step_peak is not None:
         plan_step(calls, fraction=opts.step_peak.fraction, saved_limit=saved_limit)
         return

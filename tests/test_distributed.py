@@ -264,6 +264,26 @@ def _compiled_worker(rank, engine):
         results[f"whole model, {label}" if whole else label] = dict(
             err=grad_error(full_grads(model), want), plans=_plans(report), graphs=len(report.graphs),
             step_saved=report.saved_bytes, peak=report.peak.peak, held=held)
+    # a byte peak_budget halfway between the step's estimates at budget 0 and without a budget: the
+    # step's first graphs take their share of it, and the second step plans the whole step again if
+    # over. On 16 copies of the batch (the same gradients), so that activations, not the gradients,
+    # set the step's peak
+    big = torch.cat([x] * 16)
+    peaks = {}
+    for label in ("none", "0"):
+        torch._dynamo.reset()
+        _compiled_step(wrap(Net(), dict(lower, **BUDGETS[label])), big)
+        peaks[label] = remat.step_report().peak.peak
+    limit = (peaks["none"] + peaks["0"]) // 2
+    torch._dynamo.reset()
+    model = wrap(Net(), dict(lower, peak_budget=limit))
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        held = _compiled_step(model, big)
+    report = remat.step_report()
+    results["peak_budget"] = dict(err=grad_error(full_grads(model), want), plans=_plans(report),
+                                  graphs=len(report.graphs), step_saved=report.saved_bytes, peak=report.peak.peak,
+                                  held=held, limit=limit, top=peaks["none"], low=peaks["0"])
     # dropout, per-rank seeds: budget 0 gives the gradients of the run without a budget
     grads = {}
     for label in ("none", "0"):
@@ -291,6 +311,16 @@ def _compiled_worker(rank, engine):
         results["one rank infeasible"] = None
     except Exception as e:  # noqa: BLE001 - whatever each rank raises is checked by the test
         results["one rank infeasible"] = (type(e).__name__, str(e)[:600])
+    if engine == "ddp":  # a whole-step byte budget each of rank 1's graphs meets alone and its step does not:
+        # rank 1 finds no plan when it plans the step as a whole (the second step); rank 0's step fits
+        torch._dynamo.reset()
+        model = wrap(Net(), dict(lower, memory_budget="64KiB"))  # the step's least: 32 KiB, rank 1's 96 KiB
+        try:
+            for _ in range(2):
+                _compiled_step(model, torch.cat([x] * (1 + rank)))
+            results["one rank's step infeasible"] = None
+        except Exception as e:  # noqa: BLE001 - checked by the test
+            results["one rank's step infeasible"] = (type(e).__name__, str(e)[:600])
     return results
 
 
@@ -337,8 +367,9 @@ def test_compiled_under_ddp_and_fsdp2(engine):
     gradients match one process on the whole batch at every budget; every graph of the step is
     reported and within its budget; what the forwards leave saved for backward, measured with
     saved-tensor hooks, is what the plans say, and never an unsharded FSDP parameter; dropout
-    with per-rank seeds does not change under a budget; an infeasible budget raises
-    BudgetInfeasible on both ranks."""
+    with per-rank seeds does not change under a budget; a byte peak_budget holds for each rank's
+    whole-step estimate; an infeasible budget raises BudgetInfeasible on both ranks, as does a
+    whole-step budget only one rank's step cannot meet."""
     per_rank = run_ranks(_compiled_worker, engine, timeout=150)
     for rank, results in enumerate(per_rank):
         where = f"{engine}, rank {rank}"
@@ -356,6 +387,10 @@ def test_compiled_under_ddp_and_fsdp2(engine):
             assert acts == sum(p[0] for p in plans), f"{where}, budget {label}: measured {acts}, plans {plans}"
             if engine != "ddp":
                 assert params == 0, f"{where}, budget {label}: unsharded parameters kept for backward: {params} B"
+        peak = results["peak_budget"]
+        print(f"{where}: peak_budget {peak['limit']} between {peak['low']} and {peak['top']}: estimated {peak['peak']}")
+        assert peak["low"] < 0.8 * peak["top"], f"{where}: {peak}"
+        assert peak["peak"] <= peak["limit"], f"{where}: peak_budget {peak['limit']}: estimated step peak {peak['peak']}"
         saved = {label: results[label]["step_saved"] for label in BUDGETS}
         assert saved["0"] < saved["0.3"] < saved["none"], f"{where}: {saved}"
         assert saved["0"] < saved["save glob"], f"{where}: {saved}"
@@ -377,6 +412,13 @@ def test_compiled_under_ddp_and_fsdp2(engine):
         if rank == 0:  # its own budget is feasible: the error is rank 1's, named as such
             assert error[1].startswith("remat_fx: rank 1 of 2 could not compile a graph that this rank could"), \
                 f"{where}: {error}"
+        if engine == "ddp":  # the same when rank 1 fails to plan its step as a whole: not rank 0 in gloo's error
+            error = results["one rank's step infeasible"]
+            assert error is not None and error[0] == "BudgetInfeasible", f"{where}: {error}"
+            assert "for the whole step" in error[1] and "98,304 bytes" in error[1], f"{where}: {error}"
+            if rank == 0:
+                assert error[1].startswith("remat_fx: rank 1 of 2 could not plan its step within the whole-step "
+                                           "limit, which this rank could"), f"{where}: {error}"
 
 
 def test_train_distributed_example_runs_under_torchrun():
