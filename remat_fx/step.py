@@ -82,7 +82,9 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
     backwards run in reverse. ``released[i]``: bytes of call i's held outputs that are freed before
     the backwards (:func:`released_bytes`; by default none: each is held until its call's backward);
     ``later[i]``: bytes of the others freed during the later calls' backwards, before call i's (a
-    loss graph that saved the logits it read frees them with its backward)."""
+    loss graph that saved the logits it read frees them with its backward); they leave the estimate
+    at call i's backward, not at the freeing call's (exact for a model graph and its loss graph;
+    over by them at the backwards of calls in between)."""
     released = [0] * len(costs) if released is None or len(released) != len(costs) else released
     later = [0] * len(costs) if later is None or len(later) != len(costs) else later
     at: List[int] = []

@@ -432,6 +432,21 @@ def test_inductor_liveness_counts_reads_as_inductor_does_and_inlines_into_a_gath
     n = 4 * 4 * 4
     # the outputs (two 4x4, one 4x1) are the only buffers: nothing of the shared mul or the sub
     assert simulate(gm, set(), inline=True)[0] == 2 * n + 4 * 4
+    # what Inductor does not compute at the indices: a reduction read by a gather (realised
+    # first), and anything an index by a bool mask reads (ATen's index, on a materialised input)
+    g = fx.Graph()
+    a, idx, mask = g.placeholder("a"), g.placeholder("idx"), g.placeholder("mask")
+    total = g.call_function(aten.sum.dim_IntList, (a, [1], True))
+    neg = g.call_function(aten.neg.default, (a,))
+    g.output((g.call_function(aten.gather.default, (total, 1, idx)), g.call_function(aten.index.Tensor, (neg, [mask]))))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    vals = {"a": torch.empty(4, 4), "idx": torch.zeros(4, 1, dtype=torch.long), "mask": torch.zeros(4, dtype=torch.bool),
+            "sum_dim_int_list": torch.empty(4, 1), "neg_default": torch.empty(4, 4), "gather_default": torch.empty(4, 1),
+            "index_tensor": torch.empty(2, 4)}
+    for node in gm.graph.nodes:
+        if node.op != "output":
+            node.meta["val"] = vals[node.name]
+    assert _inlined(gm) == set(), _inlined(gm)
 
 
 # -- peak tie-break: among plans of about the same time under the budget, the lowest peak -------

@@ -43,7 +43,28 @@ def fusible(node: fx.Node) -> bool:
     if target.is_view or torch.Tag.pointwise in target.tags:
         return True
     name = target.overloadpacket.__name__
-    return name in _REDUCTIONS or name in _COPIES or name in _INDEXED_READS
+    if name in _INDEXED_READS:
+        return indexed_read(node)
+    return name in _REDUCTIONS or name in _COPIES
+
+
+def indexed_read(node: fx.Node) -> bool:
+    """A gather, or an index by integer tensors on its input's device: a load at computed indices
+    (Inductor falls back to ATen, and materialises the input, for a bool or uint8 mask or indices
+    on another device)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.overloadpacket.__name__ not in _INDEXED_READS:
+        return False
+    if target.overloadpacket.__name__ == "gather":
+        return True
+    x = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+    indices = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else ()
+    for i in indices:
+        val = i.meta.get("val") if isinstance(i, fx.Node) else None
+        if i is not None and (not isinstance(val, torch.Tensor) or val.dtype in (torch.bool, torch.uint8)
+                              or not isinstance(x, torch.Tensor) or val.device != x.device):
+            return False
+    return True
 
 
 # Ops torch.utils.flop_counter has no formula for, counted by the formula of an op whose leading

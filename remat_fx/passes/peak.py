@@ -38,7 +38,7 @@ import torch.fx as fx
 from remat_fx.memory_budget import Budget, fmt_bytes
 from remat_fx.options import RematError
 from remat_fx.passes.capture import storage_base
-from remat_fx.passes.cost import concrete, fusible
+from remat_fx.passes.cost import concrete, fusible, indexed_read
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,8 @@ def inlined_nodes(order: Iterable, inputs: Callable, users: Callable, src: Calla
         found = readers(x, users, src, facts)
         if found is None or not all((facts.get(n) or node_facts(n, facts)).fusible for n in map(src, found)):
             continue
+        if not mine.pointwise and any(indexed_read(n) for n in map(src, found)):
+            continue  # a reduction (or a copy) read at computed indices is realised first
         if len(found) <= 1:
             inlined.add(x)
         elif mine.pointwise:
