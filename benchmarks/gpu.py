@@ -12,7 +12,7 @@ the measured step, so the peak counts them. Time: median of --steps synchronised
 compiles (with remat.fit, the whole fit), after a warm-up compile of each backend, with Inductor's
 FX graph cache off and, unless --warm-kernels, each variant in a fresh Inductor cache (a new cache
 folder and its in-memory caches cleared: every kernel is generated and compiled anew, as on a
-first run, so that no variant reuses kernels another compiled before it). bf16 autocast on CUDA.
+first run, so that no variant reuses kernels another compiled before it). bf16 autocast on CUDA (--autocast: also on CPU, or off).
 The issue's targets are checked on the rows at the end.
 Writes benchmarks/out/gpu_<model>_<device>.md and .csv.
 """
@@ -59,10 +59,10 @@ def build(args):
     return model, ids
 
 
-def make_step(model, fn, ids, device):
+def make_step(model, fn, ids, device, autocast):
     def step():
         model.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = fn(ids, labels=ids).loss
         loss.backward()
     return step
@@ -80,7 +80,7 @@ def run_variant(label, args, compile_fn=None, checkpointing=False, fit=None):
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     fn = model if compile_fn is None else compile_fn(model)
-    step = make_step(model, fn, ids, args.device)
+    step = make_step(model, fn, ids, args.device, args.bf16)
     row = {"variant": label}
     with torch._functorch.config.patch(enable_autograd_cache=False), _kernel_cache(args.warm_kernels):
         sync(args.device)
@@ -156,18 +156,21 @@ def main():
                     help="let variants reuse the kernels of earlier ones (default: each in a fresh Inductor cache)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch.set_num_threads (0: PyTorch's default); 1 steadies CPU timings on a shared machine")
+    ap.add_argument("--autocast", default="auto", choices=["auto", "bf16", "none"],
+                    help="bf16 autocast around the forward (auto: on CUDA only)")
     ap.add_argument("--out", default="", help="folder for the .md and .csv (default benchmarks/out)")
     ap.add_argument("--deadline", type=float, default=0,
                     help="start no variant after this many seconds (0: no limit); the table keeps what ran")
     args = ap.parse_args()
     args.device = torch.device(args.device)
+    args.bf16 = args.autocast == "bf16" or (args.autocast == "auto" and args.device.type == "cuda")
     if args.threads:
         torch.set_num_threads(args.threads)
     warm_up(args.device)
     floats = (lambda s: [float(v) for v in s.split(",") if v.strip()])
     head = (f"{args.model}, {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq}, "
             f"{args.device.type}{' ' + torch.cuda.get_device_name() if args.device.type == 'cuda' else ''}, "
-            f"torch {torch.__version__}, {args.lower} lowering")
+            f"torch {torch.__version__}, {args.lower} lowering{', bf16 autocast' if args.bf16 else ''}")
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "out"
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
