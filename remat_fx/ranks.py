@@ -9,9 +9,10 @@ group's timeout (NCCL). Here every rank, after compiling a training graph with a
 budget, writes whether it could into the process group's store and waits (at most ``WAIT_S``
 seconds) for the other ranks' word on the same graph: when one could not, every rank raises an
 error naming that rank and its message (the same class for ``BudgetInfeasible`` and
-``PeakInfeasible``, else a RuntimeError). A rank that could not raises at once. A step of several graphs with a whole-step limit,
-planned again as a whole once it has run (remat_fx/step.py ``_after_step``), exchanges its word the
-same way (``plan_on_every_rank``), on every rank, planning or not.
+``PeakInfeasible``, else a RuntimeError). A rank that could not raises at once. A step of several
+graphs with a whole-step limit, planned again as a whole once it has run (remat_fx/step.py
+``_after_step``), exchanges its word the same way (``plan_on_every_rank``), on every rank,
+planning or not.
 
 Which graphs take part: training graphs (grad mode on, an input that requires grad) with a budget,
 on their frame's first compile (Dynamo's compile id), counted per rank in compile order by a
@@ -61,7 +62,7 @@ def _group():
     return dist
 
 
-def _first_compile() -> bool:
+def first_compile() -> bool:
     """Whether Dynamo is compiling a frame for the first time (not a recompile on new shapes)."""
     from torch._guards import CompileContext
 
@@ -77,7 +78,7 @@ def _training(example_inputs: Sequence) -> bool:
 def on_every_rank(compile_graph: Callable[[], T], budgeted: bool, example_inputs: Sequence) -> T:
     """``compile_graph()``, whose failure on any rank of the default process group fails every
     rank, for the graphs the module doc names."""
-    dist = _group() if budgeted and WAIT_S > 0 and _training(example_inputs) and _first_compile() else None
+    dist = _group() if budgeted and WAIT_S > 0 and _training(example_inputs) and first_compile() else None
     if dist is None:
         return compile_graph()
     return _exchange(dist, _PREFIX, compile_graph,
@@ -85,11 +86,6 @@ def on_every_rank(compile_graph: Callable[[], T], budgeted: bool, example_inputs
                                    f"counted from 0 on each rank)",
                      lambda rank, index: f"rank {rank} compiled its graph {index}; the other ranks did not say within "
                                          f"{WAIT_S:g} s whether they could compile theirs")
-
-
-def first_compile() -> bool:
-    """Whether Dynamo is compiling a frame for the first time (not a recompile on new shapes)."""
-    return _first_compile()
 
 
 def plan_on_every_rank(plan_step: Callable[[], T], first_compiles: bool) -> T:
