@@ -19,7 +19,9 @@ on their frame's first compile (Dynamo's compile id), counted per rank in compil
 counter in the store. A recompile (new shapes on one rank), an inference graph (an evaluation on
 one rank) or a graph without a budget compiles as before, with no word exchanged. A rank that
 waits past ``WAIT_S`` (the ranks compile different graphs, or one compiles much more slowly)
-logs a warning and goes on. ``WAIT_S = 0`` turns the exchange off; keep it under the process
+logs a warning and goes on, unless every rank it waits for has said (a key in the store, set
+before its work) that it is at work on the same exchange: then it waits on, in steps of
+``WAIT_S``, up to ``BUSY_WAIT_S`` (a whole-step plan of a large model can take minutes). ``WAIT_S = 0`` turns the exchange off; keep it under the process
 group's timeout. A fake process group (``backend="fake"``) has no store: nothing is exchanged.
 
 remat.fit measures each rank's step: ``agreed`` gives every rank the same figures to decide on
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from typing import Callable, Sequence, TypeVar
 
 import torch
@@ -42,6 +45,9 @@ log = logging.getLogger("remat_fx")
 
 #: seconds a rank waits for the others' word on a graph it has compiled (0: no exchange)
 WAIT_S = 300.0
+#: while every silent rank has said it is at work on the same exchange (a long whole-step plan),
+#: the wait goes on, in steps of WAIT_S, up to this many seconds in all
+BUSY_WAIT_S = 1800.0
 
 _PREFIX = "remat_fx/compile"
 
@@ -120,6 +126,7 @@ def _exchange(dist, prefix: str, fn: Callable[[], T], failed: Callable[[int], st
     store, rank, world = _get_default_store(), dist.get_rank(), dist.get_world_size()
     index = store.add(f"{prefix}/count/{rank}", 1) - 1  # this rank's exchanges so far, in the store's lifetime
     key = f"{prefix}/{index}/"
+    store.set(f"{key}busy/{rank}", "1")  # at work on this exchange: the others wait for its word past WAIT_S
     try:
         result = fn()
     except Exception as e:
@@ -129,12 +136,20 @@ def _exchange(dist, prefix: str, fn: Callable[[], T], failed: Callable[[int], st
             pass
         raise
     store.set(key + str(rank), "ok")
-    others = [key + str(r) for r in range(world) if r != rank]
-    try:
-        store.wait(others, datetime.timedelta(seconds=WAIT_S))
-    except Exception as e:  # noqa: BLE001 - the store's timeout error differs across versions
-        log.warning("remat_fx: %s (%s): going on", timed_out(rank, index), str(e).splitlines()[0][:200])
-        return result
+    others = [r for r in range(world) if r != rank]
+    started = time.monotonic()
+    while True:
+        try:
+            store.wait([key + str(r) for r in others], datetime.timedelta(seconds=WAIT_S))
+            break
+        except Exception as e:  # noqa: BLE001 - the store's timeout error differs across versions
+            silent = [r for r in others if not store.check([key + str(r)])]
+            at_work = all(store.check([f"{key}busy/{r}"]) for r in silent)
+            if not at_work or time.monotonic() - started >= BUSY_WAIT_S:
+                log.warning("remat_fx: %s (%s): going on", timed_out(rank, index), str(e).splitlines()[0][:200])
+                return result
+            log.warning("remat_fx: rank %d waits for rank(s) %s, at work on the same exchange (%s %d) for %.0f s",
+                        rank, ", ".join(map(str, silent)), prefix, index, time.monotonic() - started)
     for r in range(world):
         if r == rank:
             continue

@@ -498,6 +498,54 @@ def test_a_rank_that_compiles_alone_waits_for_the_others_then_goes_on():
     assert 2.0 <= seconds < 60, seconds
 
 
+def _slow_rank_worker(rank):
+    """remat_fx/ranks.py's exchange when one rank plans for longer than WAIT_S (1 s here): the
+    others keep waiting while it has said it is at work on the same exchange, and get its error;
+    an exchange the other rank never joins is still given up after WAIT_S."""
+    import logging
+    import time
+
+    import remat_fx.ranks as ranks
+
+    ranks.WAIT_S = 1.0
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("remat_fx").addHandler(handler)
+
+    def plan():
+        if rank == 1:
+            time.sleep(3.5)  # a whole-step plan of a large model, past WAIT_S
+            raise remat.BudgetInfeasible("remat_fx: rank 1's step fits no plan")
+        return "planned"
+
+    t0 = time.monotonic()
+    try:
+        outcome = ("ok", ranks.plan_on_every_rank(plan, True))
+    except Exception as e:  # noqa: BLE001 - checked by the test
+        outcome = (type(e).__name__, str(e))
+    seconds = time.monotonic() - t0
+    alone = None
+    if rank == 0:  # rank 1 never joins this one: given up after WAIT_S
+        t1 = time.monotonic()
+        alone = (ranks.plan_on_every_rank(lambda: "alone", True), time.monotonic() - t1)
+    messages = [r.getMessage() for r in records]
+    return outcome, seconds, alone, messages
+
+
+def test_a_rank_planning_past_the_wait_still_fails_every_rank():
+    results = run_ranks(_slow_rank_worker, timeout=120)
+    (outcome0, seconds0, alone, messages0), (outcome1, _, _, _) = results
+    assert outcome1 == ("BudgetInfeasible", "remat_fx: rank 1's step fits no plan"), outcome1
+    assert outcome0[0] == "BudgetInfeasible" and outcome0[1].startswith(
+        "remat_fx: rank 1 of 2 could not plan its step within the whole-step limit, which this rank could"), outcome0
+    assert seconds0 >= 3.0, seconds0  # it waited for rank 1's word, past WAIT_S
+    assert any("waits for rank(s) 1, at work on the same exchange" in m for m in messages0), messages0
+    result, seconds = alone
+    assert result == "alone" and 1.0 <= seconds < 30, alone
+    assert any("did not say within 1 s" in m for m in messages0), messages0
+
+
 def _fit_worker(rank):
     """remat.fit under FSDP2 (per-block compile), rank 1 with twice rank 0's batch: the ranks
     measure different peaks, decide on the same (the largest), and end with the same plan."""
