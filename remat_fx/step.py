@@ -314,6 +314,10 @@ class CallIO:
         self.alive_at_own: Optional[List[bool]] = None  # per storage, when this call's backward began
         self.nargs = len(args)
 
+    def live(self) -> List[bool]:
+        """Per output storage, whether it is alive now."""
+        return [not expired() for expired in self.expired]
+
 
 def released_bytes(calls: Sequence["CompiledGraph"], ios: Optional[Sequence[Optional[CallIO]]],
                    plan_of: Callable[["CompiledGraph"], Plan]) -> Optional[Tuple[List[int], List[int]]]:
@@ -364,7 +368,7 @@ class _Pending:
     def __call__(self, grad_outputs):
         STEP.began()
         if self.io.alive is not None and self.io.alive_at_own is None:  # which outputs the later backwards freed
-            self.io.alive_at_own = [not expired() for expired in self.io.expired]
+            self.io.alive_at_own = self.io.live()
 
 
 def _graph_node(out):
@@ -433,7 +437,7 @@ class _Step:
             live = [c for c in self.calls if c[1]() is not None]
             position = {id(io): n for n, (_, _, io) in enumerate(live)}
             for _, _, io in live:  # consumers as positions among the step's calls
-                io.alive = [not expired() for expired in io.expired]
+                io.alive = io.live()
                 io.consumers = [[(position[id(later)], m) for later, m in uses if id(later) in position]
                                 for uses in io.consumers]
             self.backward_began, self.last, self.last_io = True, [c[0] for c in live], [c[2] for c in live]
