@@ -155,6 +155,7 @@ def _compile_keeping_reruns_late(*args, keep_peak: bool = False, schedules: Opti
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.virtualized import V
 
+    keep_peak = keep_peak and not _as_without_a_budget(partitioner)
     with V.set_choices_handler(_KeepRerunsLate(V.choices)), \
             config.patch(allow_buffer_reuse=config.allow_buffer_reuse and not keep_peak):
         if schedules is None:
@@ -173,6 +174,18 @@ def _compile_keeping_reruns_late(*args, keep_peak: bool = False, schedules: Opti
             raise
         schedules[phase] = sink[-1] if sink else None
         return compiled
+
+
+def _as_without_a_budget(partitioner: Optional["RematPartitioner"]) -> bool:
+    """Whether the graph's plan is the one it has without a budget (the budget fits it, e.g.
+    memory_budget=1, and nothing is rerun): then it is lowered exactly as PyTorch lowers that plan,
+    Inductor's buffer reuse included (measured on the GPT-2 of docs/benchmarks.md, H100: at
+    memory_budget 1 with reuse off, 1,179,648 bytes over PyTorch's peak). A byte peak_budget's
+    lowerings are checked against a schedule without reuse (passes/lowered_peak.py): reuse stays off."""
+    plan = None if partitioner is None else partitioner.plan
+    if plan is None or partitioner.options.peak_budget is not None or partitioner.options.peak_fraction is not None:
+        return False
+    return (plan.budget is None or plan.budget.solver == "none") and (plan.rerun is None or not plan.rerun.reruns)
 
 
 def _check_backward(schedules: dict, partitioner: "RematPartitioner", backward) -> None:
@@ -233,7 +246,7 @@ def _inductor(gm, example_inputs, options: BackendOptions, schedules: Optional[d
         compiled = compile_fx(gm, example_inputs,
                               inner_compile=functools.partial(_compile_keeping_reruns_late, keep_peak=keep_peak,
                                                               schedules=schedules,
-                                                              partitioner=None if limit is None else partitioner),
+                                                              partitioner=partitioner),
                               config_patches={"custom_partitioner_fn": partitioner})
     if schedules is not None:
         schedules["counted"] = partitioner.counted
