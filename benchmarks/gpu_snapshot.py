@@ -1,0 +1,125 @@
+"""What is alive at a step's measured peak on CUDA, next to remat's whole-step estimate.
+
+Compiles the Hugging Face model of benchmarks/gpu.py with backend="remat" at each memory budget,
+runs two steps (the second plans the step as a whole), then records the CUDA caching allocator's
+history over one more step (``torch.cuda.memory._record_memory_history``) and prints, for the
+moment the step's allocations peak: ``remat.step_report()``, every block then alive that the step
+allocated, grouped by the line of Inductor's generated code (and the model's line) that allocated
+it, and the events just before the peak. This is how the CUDA-only buffers the estimate does not
+model were found (docs/benchmarks.md, "NVIDIA H100, GPT-2 again").
+
+    python benchmarks/gpu_snapshot.py --model gpt2 --layers 12 --hidden 768 --vocab 50257 --batch 8 --seq 1024 \\
+        --budgets 0.1,0
+
+Writes benchmarks/out/snapshot_<model>_<budget>.txt (CUDA only).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import linecache
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import remat_fx as remat  # noqa: E402
+from benchmarks import gpu  # noqa: E402
+from remat_fx.step import STEP  # noqa: E402
+
+
+def _where(frames) -> str:
+    """The first two Python frames outside torch's own package, with their source lines."""
+    keep = []
+    for f in frames:
+        name = f.get("filename", "")
+        if "site-packages/torch/" in name and "torchinductor" not in name:
+            continue
+        text = linecache.getline(name, f.get("line", 0)).strip()
+        keep.append(f"{Path(name).name}:{f.get('line')} | {text[:110]}")
+        if len(keep) == 2:
+            break
+    return " <- ".join(keep) or "?"
+
+
+def snapshot(args, budget: float) -> str:
+    torch._dynamo.reset()
+    STEP.reset()
+    model, ids = gpu.build(args)
+    step = gpu.make_step(model, torch.compile(model, backend="remat", options={"memory_budget": budget}), ids,
+                         args.device, args.bf16)
+    step()
+    step()
+    model.zero_grad(set_to_none=True)  # the measured step's gradients count, as in gpu.py
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    measured = torch.cuda.max_memory_allocated() - before
+    lines = [f"memory_budget {budget:g}: measured step peak {measured:,} B ({measured / 2**20:.1f} MiB)",
+             str(remat.step_report())]
+    live, now, peak, at = {}, 0, -1, -1
+    for i, event in enumerate(trace):
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            now += event["size"]
+        elif event["action"] == "free_completed":
+            now -= live.pop(event["addr"])["size"] if event["addr"] in live else event["size"]
+        if now > peak:
+            peak, at = now, i
+    live = {}
+    for event in trace[:at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    by_line, count = collections.Counter(), collections.Counter()
+    for event in live.values():
+        where = _where(event.get("frames", []))
+        by_line[where] += event["size"]
+        count[where] += 1
+    lines.append(f"the step's allocations peak at {peak / 2**20:.1f} MiB (event {at} of {len(trace)}); alive then, "
+                 f"allocated in the step: {len(live)} blocks")
+    lines += [f"{b / 2**20:9.1f} MiB x{count[w]:3d}  {w}" for w, b in by_line.most_common(60)]
+    lines.append("the events before the peak:")
+    lines += [f"  {e['action']:14s} {e['size'] / 2**20:8.1f} MiB  {_where(e.get('frames', []))}"
+              for e in trace[max(0, at - 30):at + 1]]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2", choices=["llama", "gpt2"])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--budgets", default="0.1,0")
+    ap.add_argument("--autocast", default="bf16", choices=["bf16", "none"])
+    ap.add_argument("--out", default="", help="folder for the .txt files (default benchmarks/out)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gpu_snapshot.py reads the CUDA caching allocator's history: it needs a GPU")
+    args.device, args.bf16 = torch.device("cuda"), args.autocast == "bf16"
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    gpu.warm_up(args.device)
+    torch._inductor.config.fx_graph_cache = False
+    for budget in (float(v) for v in args.budgets.split(",") if v.strip()):
+        text = snapshot(args, budget)
+        (out / f"snapshot_{args.model}_{budget:g}.txt").write_text(text + "\n")
+        print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
