@@ -175,6 +175,23 @@ def test_rerun_recomputes_a_held_value_just_before_its_late_use():
     assert none.reruns == 0
 
 
+def test_rerun_keeps_the_fewest_reruns_that_come_within_one_percent_of_the_lowest_peak():
+    """The search's last reruns often buy a fraction of a percent of the estimate for long closures
+    (copied nodes Inductor compiles and the step runs): the prefix kept stops at the first peak within
+    1% of the lowest; with a cap, at the first that meets it."""
+    from remat_fx.passes.rerun import _prefix, _State
+
+    def history(*peaks):
+        return [(None, _State(peak, 1), f"r{i}", [], 0.0) for i, peak in enumerate(peaks)]
+
+    steps = history(800, 600, 598, 597, 595)
+    assert _prefix(steps, 1000, None, 0.0) == 2  # 600 <= 1.01 * 595; the 3 reruns after it are dropped
+    assert _prefix(history(900, 700, 500), 1000, None, 0.0) == 3
+    assert _prefix(steps, 1000, None, 0.45) == 0  # 600 does not lower 1000 by min_gain's 45%
+    assert _prefix(steps, 1000, 598, 0.0) == 3  # a cap: the first that meets it
+    assert _prefix([], 1000, None, 0.0) == 0
+
+
 def test_rerun_under_inductor_copies_the_inlined_op_a_late_reader_reads_through():
     """Under Inductor's liveness a cheap pointwise op read by two kernels (h) is computed inside
     each, so the value it reads (r1) stays alive until h's last reader, past the peak. The rerun

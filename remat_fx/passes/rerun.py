@@ -18,7 +18,7 @@ copied with that op (the tensors are the op's: a lone copied getitem would free 
 Candidates are ranked by bytes freed at the peak per second of recompute (the cost
 model's); a rerun is kept only if it lowers the step's estimated peak (or narrows the stretch at
 that peak on the way down) and its recompute fits the time allowance left, and at the end only the
-shortest prefix of reruns that reaches the lowest peak is kept. It stops when the step's peak is
+shortest prefix of reruns that comes within 1% of the lowest peak is kept. It stops when the step's peak is
 the forward's (the backward can no longer set it). Random ops, mutations and anything that reads a
 tangent are never rerun.
 """
@@ -241,16 +241,24 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     return bw, report
 
 
+_NEAR_LOWEST = 0.01  # reruns past the first peak this close to the lowest one found are not kept
+
+
 def _prefix(history, peak0: int, cap, min_gain: float) -> int:
     """How many reruns to keep (all of them fit the time allowance): with a peak cap, the fewest that
-    meet it; otherwise (or when none does) the fewest that reach the lowest peak, if that lowers the
-    peak by at least ``min_gain`` (a fraction of ``peak0``)."""
+    meet it; otherwise (or when none does) the fewest that come within ``_NEAR_LOWEST`` of the
+    lowest peak, if that lowers the peak by at least ``min_gain`` (a fraction of ``peak0``). The
+    search's last reruns buy little: on a 12-layer GPT-2's backward at budget 0 (hidden 128, bf16)
+    its last 6 of 128 lowered the estimate by 0.7% and copied 828 nodes, a third of the recompute
+    the reruns added and 16% of the backward Inductor compiles (5,280 nodes, 4,452 without them),
+    a lowering well inside the estimate's error under Inductor."""
     if cap is not None:
         for k, h in enumerate(history, 1):
             if h[1].peak <= cap:
                 return k if peak0 > cap else 0
     peaks = [peak0] + [h[1].peak for h in history]
-    k = min(range(len(peaks)), key=lambda k: (peaks[k], k))
+    near = min(peaks) * (1 + _NEAR_LOWEST)
+    k = next(k for k, peak in enumerate(peaks) if peak <= near)
     return k if k and peaks[k] <= (1 - min_gain) * peak0 else 0
 
 
