@@ -245,6 +245,40 @@ def _compiled_step(model, x, seed=None):
     return held
 
 
+def _overlap_order(model, x):
+    """The second DDP step's backward, in order: each compiled graph's backward beginning (``graph
+    k``: the k-th call of the step's forward) and each gradient bucket's all-reduce launched
+    (``bucket b``, from DDP's comm hook, called once the bucket's gradients are all ready). DDP's
+    first step runs one bucket; it sizes its buckets by the order gradients came in then."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from remat_fx import step as step_module
+
+    events, position = [], {}
+
+    def hook(state, bucket):
+        events.append(f"bucket {bucket.index()}")
+        return allreduce_hook(state, bucket)
+
+    began = step_module._Pending.__call__  # what step.py is told when a call's backward begins
+
+    def beginning(pending, grads):
+        events.append(f"graph {position[id(pending.io)]}")
+        return began(pending, grads)
+
+    model._orig_mod.register_comm_hook(None, hook)
+    loss_of(model(x)).backward()
+    events.clear()
+    out = model(x)
+    position.update((id(io), k) for k, (_, _, io) in enumerate(step_module.STEP.calls))
+    step_module._Pending.__call__ = beginning
+    try:
+        loss_of(out).backward()
+    finally:
+        step_module._Pending.__call__ = began
+    return events
+
+
 def _compiled_worker(rank, engine):
     want = reference_grads()
     x = batch(rank)
@@ -294,6 +328,10 @@ def _compiled_worker(rank, engine):
     results["dropout"] = max((grads["0"][k] - grads["none"][k]).abs().max().item() for k in want)
     if engine == "ddp":
         results["collective"] = _collective_in_region(rank)
+        results["overlap"] = {}
+        for label in ("none", "0.3", "0"):
+            torch._dynamo.reset()
+            results["overlap"][label] = _overlap_order(wrap(Net(), dict(lower, **BUDGETS[label])), x)
     # a budget no plan meets: an error on every rank, no hang
     torch._dynamo.reset()
     try:
@@ -374,7 +412,7 @@ def test_compiled_under_ddp_and_fsdp2(engine):
     for rank, results in enumerate(per_rank):
         where = f"{engine}, rank {rank}"
         for label, r in results.items():
-            if not isinstance(r, dict) or label == "collective":
+            if not isinstance(r, dict) or label in ("collective", "overlap"):
                 continue
             assert r["err"] < 1e-5, f"{where}, budget {label}: gradients off by {r['err']:.2e} (relative)"
             plans = r["plans"]
@@ -405,6 +443,17 @@ def test_compiled_under_ddp_and_fsdp2(engine):
                 assert err < 1e-5, f"{where}: all_reduce in a compiled region, {label}: gradients off by {err}"
             assert not any("wait_tensor" in n for n in collective["region"][1]), collective
             assert "wait_tensor" in collective["region, save glob"][1], collective
+            # the all-reduce overlap survives the partition: at every budget each bucket is launched
+            # as soon as the backward of the graph that makes its gradients ends, before the backwards
+            # of the graphs before it (DDPOptimizer split the model at the buckets; a recompute runs
+            # inside its own graph's backward, which no other bucket waits on)
+            overlap = results["overlap"]
+            print(f"{where}: backward order {overlap['none']}")
+            graphs = [e for e in overlap["none"] if e.startswith("graph")]
+            buckets = [e for e in overlap["none"] if e.startswith("bucket")]
+            assert len(graphs) >= 2 and len(buckets) >= 2, overlap
+            assert overlap["none"].index(buckets[0]) < overlap["none"].index(graphs[-1]), overlap
+            assert overlap["0.3"] == overlap["none"] and overlap["0"] == overlap["none"], overlap
         error = results["one rank infeasible"]
         assert error is not None, f"{where}: a budget rank 1 cannot meet raised nothing"
         print(f"{where}, a budget rank 1 cannot meet: {error[0]}: {error[1][:200]}")
