@@ -144,20 +144,17 @@ class _OverLimit(Exception):
         self.lowered, self.plan = lowered, plan
 
 
-def _compile_keeping_reruns_late(*args, keep_peak: bool = False, schedules: Optional[dict] = None,
+def _compile_keeping_reruns_late(*args, schedules: Optional[dict] = None,
                                  partitioner: Optional["RematPartitioner"] = None, **kwargs):
     """Inductor's compile of one graph (forward, or the backward: compiled lazily, at its first
-    call), with the fusion choices of _KeepRerunsLate. ``keep_peak`` (a memory or peak budget was
-    given): without Inductor's buffer reuse, which keeps a dead buffer alive for a later one of its
-    size whenever that stays under Inductor's own estimate of the peak, not ours (measured on the
-    example GPT at budget 0: a 3 MiB buffer held across the backward's peak, 27.1 -> 31.0 MiB)."""
+    call), with the fusion choices of _KeepRerunsLate, and without Inductor's buffer reuse where
+    the budget made the plan (_keeps_peak)."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.virtualized import V
 
-    keep_peak = keep_peak and not _as_without_a_budget(partitioner)
     with V.set_choices_handler(_KeepRerunsLate(V.choices)), \
-            config.patch(allow_buffer_reuse=config.allow_buffer_reuse and not keep_peak):
+            config.patch(allow_buffer_reuse=config.allow_buffer_reuse and not _keeps_peak(partitioner)):
         if schedules is None:
             return compile_fx_inner(*args, **kwargs)
         sink: list = []
@@ -176,16 +173,24 @@ def _compile_keeping_reruns_late(*args, keep_peak: bool = False, schedules: Opti
         return compiled
 
 
-def _as_without_a_budget(partitioner: Optional["RematPartitioner"]) -> bool:
-    """Whether the graph's plan is the one it has without a budget (the budget fits it, e.g.
-    memory_budget=1, and nothing is rerun): then it is lowered exactly as PyTorch lowers that plan,
-    Inductor's buffer reuse included (measured on the GPT-2 of docs/benchmarks.md, H100: at
-    memory_budget 1 with reuse off, 1,179,648 bytes over PyTorch's peak). A byte peak_budget's
-    lowerings are checked against a schedule without reuse (passes/lowered_peak.py): reuse stays off."""
-    plan = None if partitioner is None else partitioner.plan
-    if plan is None or partitioner.options.peak_budget is not None or partitioner.options.peak_fraction is not None:
+def _keeps_peak(partitioner: Optional["RematPartitioner"]) -> bool:
+    """Whether Inductor's buffer reuse is turned off: with a memory or peak budget, since it keeps a
+    dead buffer alive for a later one of its size whenever that stays under Inductor's own estimate
+    of the peak, not ours (measured on the example GPT at budget 0: a 3 MiB buffer held across the
+    backward's peak, 27.1 -> 31.0 MiB); a byte peak_budget's lowerings are checked against a
+    schedule without reuse (passes/lowered_peak.py). Not when the plan is the one the graph has
+    without a budget (the budget fits it, e.g. memory_budget=1, and nothing is rerun): that plan is
+    lowered exactly as PyTorch lowers it (measured on the GPT-2 of docs/benchmarks.md, H100: at
+    memory_budget 1 with reuse off, 1,179,648 bytes over PyTorch's peak)."""
+    if partitioner is None:
         return False
-    return (plan.budget is None or plan.budget.solver == "none") and (plan.rerun is None or not plan.rerun.reruns)
+    options, plan = partitioner.options, partitioner.plan
+    if options.peak_budget is not None or options.peak_fraction is not None:
+        return True
+    if options.memory_budget is None:
+        return False
+    return plan is None or not ((plan.budget is None or plan.budget.solver == "none")
+                                and (plan.rerun is None or not plan.rerun.reruns))
 
 
 def _check_backward(schedules: dict, partitioner: "RematPartitioner", backward) -> None:
@@ -235,8 +240,6 @@ def _inductor(gm, example_inputs, options: BackendOptions, schedules: Optional[d
     from torch._inductor.compile_fx import compile_fx
 
     partitioner = RematPartitioner(options, limit)
-    keep_peak = options.memory_budget is not None or options.peak_budget is not None \
-        or options.peak_fraction is not None
     # AOTAutograd's cache would skip our partition on a hit, and with it the Plan:
     # Inductor's own kernel cache still applies
     patches = {"enable_autograd_cache": False}
@@ -244,8 +247,7 @@ def _inductor(gm, example_inputs, options: BackendOptions, schedules: Optional[d
         patches["force_non_lazy_backward_lowering"] = True
     with torch._functorch.config.patch(**patches):
         compiled = compile_fx(gm, example_inputs,
-                              inner_compile=functools.partial(_compile_keeping_reruns_late, keep_peak=keep_peak,
-                                                              schedules=schedules,
+                              inner_compile=functools.partial(_compile_keeping_reruns_late, schedules=schedules,
                                                               partitioner=partitioner),
                               config_patches={"custom_partitioner_fn": partitioner})
     if schedules is not None:

@@ -19,8 +19,8 @@ Candidates are ranked by bytes freed at the peak per second of recompute (the co
 model's); a rerun is kept only if it lowers the step's estimated peak (or narrows the stretch at
 that peak on the way down) and its recompute fits the time allowance left, and at the end only the
 shortest prefix of reruns that comes within 1% of the lowest peak is kept. It stops when the
-step's peak is the forward's (the backward can no longer set it). Random ops, mutations and anything that reads a
-tangent are never rerun.
+step's peak is the forward's (the backward can no longer set it). Random ops, mutations and
+anything that reads a tangent are never rerun.
 """
 from __future__ import annotations
 
