@@ -182,7 +182,7 @@ def test_rerun_keeps_the_fewest_reruns_that_come_within_one_percent_of_the_lowes
     from remat_fx.passes.rerun import _prefix, _State
 
     def history(*peaks):
-        return [(None, _State(peak, 1), f"r{i}", [], 0.0) for i, peak in enumerate(peaks)]
+        return [(None, _State(peak, 1, peak), f"r{i}", [], 0.0) for i, peak in enumerate(peaks)]
 
     steps = history(800, 600, 598, 597, 595)
     assert _prefix(steps, 1000, None, 0.0) == 2  # 600 <= 1.01 * 595; the 3 reruns after it are dropped
@@ -190,6 +190,62 @@ def test_rerun_keeps_the_fewest_reruns_that_come_within_one_percent_of_the_lowes
     assert _prefix(steps, 1000, None, 0.45) == 0  # 600 does not lower 1000 by min_gain's 45%
     assert _prefix(steps, 1000, 598, 0.0) == 3  # a cap: the first that meets it
     assert _prefix([], 1000, None, 0.0) == 0
+
+
+def _two_held_graph():
+    """r1 and s1 are both held from their early use (m) across the peak at g2 to their late uses g3, g4."""
+    g = fx.Graph()
+    a, t = g.placeholder("a"), g.placeholder("tangents_1")
+    r1 = g.call_function(torch.ops.aten.sin.default, (a,))
+    s1 = g.call_function(torch.ops.aten.cos.default, (a,))
+    m = g.call_function(torch.ops.aten.mul.Tensor, (r1, s1))
+    g1 = g.call_function(torch.ops.aten.mul.Tensor, (t, t))
+    g2 = g.call_function(torch.ops.aten.mul.Tensor, (g1, g1))
+    g3 = g.call_function(torch.ops.aten.add.Tensor, (g2, r1))
+    g4 = g.call_function(torch.ops.aten.add.Tensor, (g3, s1))
+    g5 = g.call_function(torch.ops.aten.add.Tensor, (g4, m))
+    g.output((g5,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    for node in gm.graph.nodes:
+        node.meta["val"] = torch.empty(4, 4)
+    return gm
+
+
+def test_shorten_keeps_the_first_reruns_that_bring_the_backward_to_a_limit():
+    """When the backward is compiled the step may show its peak is elsewhere (remat_fx/step.py
+    backward_limit): only the first of the search's reruns that bring the backward's estimate to
+    that are kept, as the search had made them."""
+    from remat_fx.passes.rerun import RERUN, rerun_for_peak, shorten
+
+    gm = _two_held_graph()
+    x, t = torch.randn(4, 4), torch.randn(4, 4)
+    want = gm(x, t)
+    n = 4 * 4 * 4
+
+    def search():
+        return rerun_for_peak(gm, {"tangents_1"}, {}, 0, 0, lambda node: 1e-6)
+
+    full, report = search()
+    assert (report.reruns, report.names, report.peak_before, report.peak_after) == \
+        (2, ["sin_default", "cos_default"], 5 * n, 4 * n)
+    torch.testing.assert_close(full(x, t), want)
+    source, backward0, steps = report._steps
+    assert source is gm and backward0 == 5 * n and [s[1] for s in steps] == [5 * n, 4 * n]
+    # the first rerun only narrows the peak here: a limit it meets is made up for the prefix
+    report._steps = (source, 6 * n, [(steps[0][0], 5 * n, *steps[0][2:]), steps[1]])
+    bw, short, higher = shorten(report, 5 * n)
+    assert [(node.name, node.meta.get(RERUN)) for node in bw.graph.nodes if node.meta.get(RERUN)] == \
+        [("sin_default_rerun1", 1)]
+    assert (short.reruns, short.names, short.shortened_from, short.nodes) == (1, ["sin_default"], 2, 1)
+    assert higher == n
+    torch.testing.assert_close(bw(x, t), want)
+    assert shorten(report, 5 * n) is None  # once: the search's programs are let go
+
+    _, report = search()
+    bw, short, higher = shorten(report, 5 * n)  # the backward without reruns meets the limit
+    assert bw is gm and (short.reruns, short.shortened_from, short.peak_after, higher) == (0, 2, 5 * n, n)
+    _, report = search()
+    assert shorten(report, 5 * n - 1) is None  # every rerun is needed
 
 
 def test_rerun_under_inductor_copies_the_inlined_op_a_late_reader_reads_through():

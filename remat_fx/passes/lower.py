@@ -16,7 +16,7 @@ import hashlib
 import logging
 import pathlib
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -31,6 +31,7 @@ from remat_fx.passes.lowered_peak import reading_schedules
 from remat_fx.passes.partition import partition
 from remat_fx.passes.peak import PeakEstimate, PeakInfeasible, backward_inputs
 from remat_fx.passes.plan import input_names, last_plan
+from remat_fx.passes.rerun import shorten
 
 log = logging.getLogger("remat_fx")
 
@@ -153,6 +154,8 @@ def _compile_keeping_reruns_late(*args, schedules: Optional[dict] = None,
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.virtualized import V
 
+    if kwargs.get("is_backward") and args:
+        args = (_shortened(args[0], partitioner), *args[1:])
     with V.set_choices_handler(_KeepRerunsLate(V.choices)), \
             config.patch(allow_buffer_reuse=config.allow_buffer_reuse and not _keeps_peak(partitioner)):
         if schedules is None:
@@ -171,6 +174,45 @@ def _compile_keeping_reruns_late(*args, schedules: Optional[dict] = None,
             raise
         schedules[phase] = sink[-1] if sink else None
         return compiled
+
+
+# (plan) -> the estimated backward peak (Plan.peak.backward's measure) this graph's backward may
+# reach without setting the step's estimated peak, or None: set by remat_fx/step.py, which knows the
+# step, and asked when the backward is compiled (AOTAutograd compiles it at its first call, once
+# the step's forwards and the later graphs' backwards have run)
+backward_limit: Optional[Callable[[object], Optional[int]]] = None
+_LIMIT_MARGIN = 0.02  # of the limit: the estimate under Inductor is a few % off the measured peak
+
+
+def _shortened(bw: fx.GraphModule, partitioner: Optional["RematPartitioner"]) -> fx.GraphModule:
+    """The backward with only the reruns (passes/rerun.py) the step needs: those that bring it to
+    ``backward_limit``, less a margin (the rest lower a peak the step does not reach here); ``bw``
+    itself when all are needed, or the step is unknown, or a peak_budget chose them."""
+    plan = None if partitioner is None else partitioner.plan
+    if plan is None or plan.rerun is None or not plan.rerun.reruns or backward_limit is None \
+            or partitioner.options.peak_budget is not None or partitioner.options.peak_fraction is not None:
+        return bw
+    limit = backward_limit(plan)
+    found = None if limit is None else shorten(plan.rerun, int(limit * (1 - _LIMIT_MARGIN)))
+    if found is None:
+        return bw
+    new, short, higher = found
+    if new is not bw:  # what compile_fx_backward noted on the graph it was given
+        for old, node in zip(bw.graph.find_nodes(op="placeholder"), new.graph.find_nodes(op="placeholder")):
+            node.meta = dict(old.meta)
+        next(iter(reversed(new.graph.nodes))).meta = dict(next(iter(reversed(bw.graph.nodes))).meta)
+    full = plan.rerun
+    dropped_flops, dropped_s = full.flops - short.flops, full.cost_s - short.cost_s
+    plan.rerun = short
+    plan.backward_flops -= dropped_flops
+    plan.recompute_flops -= dropped_flops
+    plan.recompute_cost_s -= dropped_s
+    plan.step_cost_s -= dropped_s
+    plan.peak = dataclasses.replace(plan.peak, backward=plan.peak.backward + higher)
+    log.info("remat_fx: graph's backward compiled with %d of its %d reruns: the step's estimated peak is "
+             "elsewhere (%s), estimated backward peak %s", short.reruns, full.reruns, fmt_bytes(limit),
+             fmt_bytes(plan.peak.backward))
+    return new
 
 
 def _keeps_peak(partitioner: Optional["RematPartitioner"]) -> bool:

@@ -51,6 +51,10 @@ class RerunReport:
     seconds: float = 0.0
     allowance_s: Optional[float] = None  # the recompute time they were allowed (None: the lowest peak)
     names: List[str] = field(default_factory=list)  # FX names of the values rerun
+    shortened_from: Optional[int] = None  # reruns the search kept, where the step dropped the last ones (shorten)
+    # what shorten() needs, until the backward is compiled: the backward without reruns, and per
+    # kept rerun (program, backward's estimated peak with it, FX nodes it copies, seconds so far)
+    _steps: Optional[tuple] = field(default=None, repr=False, compare=False)
 
 
 class _Item:
@@ -170,8 +174,9 @@ class _Program:
 
 @dataclass
 class _State:
-    peak: int
+    peak: int  # the step's: the backward's, or the floor if higher
     width: int  # positions at the peak
+    backward: int  # the backward's peak
 
 
 def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str], held: int, floor: int,
@@ -195,10 +200,11 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
         peak = held + max(live[0])
         step = max(floor, peak)
         width = sum(1 for v in live[0] if held + v >= step) if peak >= floor else 0
-        return live, _State(step, width)
+        return live, _State(step, width, peak)
 
     sim, cur = state()
     report.peak_before = report.peak_after = cur.peak
+    backward0 = cur.backward
     history = []  # (items, state, FX name, nodes, seconds so far) after each kept rerun
     best = (cur.peak, 0)
     stale, spent = 0, 0.0
@@ -236,9 +242,43 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
             report.names.append(name)
             report.nodes += len(nodes)
             report.flops += sum(flops(n) for n in nodes)
+        report._steps = (bw, backward0, [(h[0], h[1].backward, h[3], h[4]) for h in keep])
         bw = _materialize(bw, prog.items)
     report.seconds = time.perf_counter() - t0
     return bw, report
+
+
+def shorten(report: RerunReport, limit: int):
+    """(backward, report, how much higher its estimated peak is) with only the first of the kept reruns needed to bring the backward's
+    estimated peak to ``limit`` (the reruns are kept in the order the search found them, each
+    lowering the peak: the first k are the search's own plan had it been told to stop there), or
+    None when all of them are (or the report cannot be shortened). The step calls it when the
+    backward is compiled, with what the backward may peak at without setting the step's estimated
+    peak (remat_fx/step.py): a backward searched alone counts its forward's outputs as held
+    throughout, and cannot know that a later graph's backward (a loss graph holding the logits and
+    their gradient) peaks higher. The report's figures are those of the shortened backward."""
+    if report._steps is None:
+        return None
+    source, backward0, steps = report._steps
+    report._steps = None  # once: the programs hold the backward's nodes
+    if backward0 <= limit:
+        k = 0
+    else:
+        k = next((k for k, step in enumerate(steps, 1) if step[1] <= limit), len(steps))
+    if k >= len(steps):
+        return None
+    short = RerunReport(reruns=k, names=report.names[:k], peak_before=report.peak_before,
+                        seconds=report.seconds, allowance_s=report.allowance_s, shortened_from=report.reruns)
+    higher = (steps[k - 1][1] if k else backward0) - steps[-1][1]
+    if not k:
+        short.peak_after = report.peak_before
+        return source, short, higher
+    items, peak, _, spent = steps[k - 1]
+    short.peak_after, short.cost_s = max(peak, report.peak_after), spent
+    for _, _, nodes, _ in steps[:k]:
+        short.nodes += len(nodes)
+        short.flops += sum(flops(n) for n in nodes)
+    return _materialize(source, items), short, higher
 
 
 _NEAR_LOWEST = 0.01  # reruns past the first peak this close to the lowest one found are not kept
