@@ -471,37 +471,41 @@ STEP = _Step()
 def backward_limit(plan: Plan) -> Optional[int]:
     """What the backward of the graph planned by ``plan`` may peak at (its estimate's measure:
     bytes above its backward's start, what its forward left included) without setting the step's
-    estimated peak: the step's estimate everywhere else (every forward, every other backward) less
-    what the step holds beside this backward (passes/lower.py asks when the backward is compiled;
-    by then the step's forwards and the later graphs' backwards have run). A graph's reruns are
-    searched alone, counting its forward's outputs as held through its backward; in the step a loss
-    graph compiled apart frees the logits and their gradient before the model's backward runs, and
-    its own backward, holding both, is the step's peak (a 12-layer GPT-2 at budget 0, hidden 128,
-    on this CPU: 77 of the model graph's 122 reruns bring its backward under the loss graph's in
-    the step's estimate; the other 45 copied 1,469 nodes). None when the step is not known: no backward began, or the graph is called more
-    than once in it."""
+    estimated peak: the step's estimate everywhere else (every forward, every other graph's
+    backward) less what the step holds beside this backward, at each call of the graph in the step
+    (passes/lower.py asks when the backward is compiled, at its first call: by then the step's
+    forwards and the later calls' backwards have run). A graph's reruns are searched alone,
+    counting its forward's outputs as held through its backward; in the step a loss graph compiled
+    apart frees the logits and their gradient before the model's backward runs, and its own
+    backward, holding both, is the step's peak (a 12-layer GPT-2 at budget 0, hidden 128, on this
+    CPU: 77 of the model graph's 122 reruns bring its backward under the loss graph's in the step's
+    estimate; the other 45 copied 1,469 nodes). None when the step is not known (no backward
+    began) or is this graph's backwards alone."""
     if not STEP.backward_began:
         return None
     calls = STEP.last
     mine = [i for i, g in enumerate(calls) if g.plan is plan]
-    if len(mine) != 1 or any(g.plan is None for g in calls):
+    if not mine or any(g.plan is None for g in calls):
         return None
-    i = mine[0]
     ios = STEP.io_of(calls)
-    if ios is not None and ios[i].alive_at_own is not None:
+    if ios is not None and any(ios[i].alive_at_own is not None for i in mine):
         # on the step that compiles, Dynamo's tracing leaves reference cycles holding the values it
         # traced (a Hugging Face model's output object, and in it the logits the loss graph read):
         # they keep outputs alive that the steps after free (measured, GPT-2: 31.25 MiB of logits)
         gc.collect()
-        ios[i].alive_at_own = [was and now for was, now in zip(ios[i].alive_at_own, ios[i].live())]
+        for i in mine:
+            if ios[i].alive_at_own is not None:
+                ios[i].alive_at_own = [was and now for was, now in zip(ios[i].alive_at_own, ios[i].live())]
     costs = [g.cost for g in calls]
     found = released_bytes(calls, ios, lambda g: g.plan)
     released, later = found if found is not None else (None, None)
     at = step_peak(costs, released, later).at
     n = len(calls)
-    k = n + (n - 1 - i)  # this call's backward: the backwards follow the forwards, in reverse
-    others = [a for j, a in enumerate(at) if j != k]
-    return max(others) - (at[k] - costs[i].backward)
+    backward = {i: n + (n - 1 - i) for i in mine}  # the backwards follow the forwards, in reverse
+    others = [a for j, a in enumerate(at) if j not in backward.values()]
+    if not others:
+        return None
+    return min(max(others) - (at[k] - costs[i].backward) for i, k in backward.items())
 
 
 _lower_module.backward_limit = backward_limit

@@ -485,3 +485,63 @@ def test_fit_measures_every_plan_with_the_gradients_set_to_none(monkeypatch):
     assert len(seen) == 2 * len(result.tried)  # each plan measured twice
     assert all(all(none) for none in seen), seen
     assert all(p.grad is not None for p in model.parameters())  # the step ran after the last measurement
+
+
+class _LogitsModel(torch.nn.Module):
+    """Blocks and a wide head, its loss compiled apart (a graph break), as Hugging Face's causal
+    LMs are: the loss graph's backward holds the logits and their gradient at once."""
+
+    def __init__(self, d=32, n=6, vocab=2048):
+        super().__init__()
+        make_block = _ns["Block"]
+        self.blocks = torch.nn.ModuleList(make_block(d) for _ in range(n))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, x, labels):
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        torch._dynamo.graph_break()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_reruns_the_step_does_not_need_are_dropped_when_the_backward_compiles(monkeypatch):
+    """A graph's reruns are searched alone; when its backward compiles, the step shows its peak is
+    the loss graph's backward, and only the reruns that bring the model's backward under that are
+    kept (remat_fx/step.py backward_limit): fewer FLOPs, the same measured peak and gradients."""
+    from remat_fx.passes import lower
+
+    x = torch.randn(8, 64, 32, generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 2048, (8, 64), generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    eager = _LogitsModel()
+    eager(x, labels).backward()
+    want = _grads(eager)
+    results = {}
+    for shorten in (False, True):
+        torch._dynamo.reset()
+        STEP.reset()
+        if not shorten:
+            monkeypatch.setattr(lower, "backward_limit", None)
+        else:
+            monkeypatch.undo()
+        torch.manual_seed(0)
+        model = _LogitsModel()
+        run = torch.compile(model, backend="remat", options={"lower": "eager", "memory_budget": 0})
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            run(x, labels).backward()
+
+        step()
+        for a, b in zip(_grads(model), want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        measured = _measure(step)
+        plan = max(remat.step_report().graphs.values(), key=lambda p: p.rerun.reruns if p.rerun else -1)
+        results[shorten] = (measured, plan.rerun, plan.recompute_flops, remat.step_report().peak.peak)
+    (full, every, flops_all, est_all), (short, kept, flops_kept, est_kept) = results[False], results[True]
+    assert every.shortened_from is None and every.reruns > 0
+    assert kept.shortened_from == every.reruns and kept.reruns < every.reruns, (kept, every)
+    assert kept.names == every.names[:kept.reruns] and flops_kept < flops_all
+    assert est_kept == est_all  # the step's estimated peak is the loss graph's backward's, both times
+    assert short <= full * 1.02, (short, full)

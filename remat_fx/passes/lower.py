@@ -267,9 +267,14 @@ def _lower(gm, example_inputs, options: BackendOptions):
         if options.peak_budget is not None and lowered_peak.available():
             return _lower_within_peak(gm, example_inputs, options)
         return _inductor(gm, example_inputs, options)[0]
+    partitioner = RematPartitioner(options)
+
+    def backward(bw, example_inputs):  # compiled at its first call (the step is known: _shortened)
+        return _run_eagerly(_shortened(bw, partitioner), example_inputs)
+
     backend = aot_autograd(
-        fw_compiler=_run_eagerly, bw_compiler=_run_eagerly, decompositions=decompositions(),
-        partition_fn=functools.partial(partition, options=options), keep_inference_input_mutations=True,
+        fw_compiler=_run_eagerly, bw_compiler=backward, decompositions=decompositions(),
+        partition_fn=partitioner, keep_inference_input_mutations=True,
     )
     return backend(gm, example_inputs)
 
