@@ -297,7 +297,8 @@ def _compiled_worker(rank, engine):
         report = remat.step_report()
         results[f"whole model, {label}" if whole else label] = dict(
             err=grad_error(full_grads(model), want), plans=_plans(report), graphs=len(report.graphs),
-            step_saved=report.saved_bytes, peak=report.peak.peak, held=held)
+            step_saved=report.saved_bytes, peak=report.peak.peak, held=held,
+            shortened=[p.rerun.shortened_from for p in report.graphs.values() if p.rerun is not None])
     # a byte peak_budget halfway between the step's estimates at budget 0 and without a budget: the
     # step's first graphs take their share of it, and the second step plans the whole step again if
     # over. On 16 copies of the batch (the same gradients), so that activations, not the gradients,
@@ -415,6 +416,8 @@ def test_compiled_under_ddp_and_fsdp2(engine):
             if not isinstance(r, dict) or label in ("collective", "overlap"):
                 continue
             assert r["err"] < 1e-5, f"{where}, budget {label}: gradients off by {r['err']:.2e} (relative)"
+            # the estimate does not count FSDP's and DDP's own memory in a backward: every rerun is kept
+            assert not any(r.get("shortened", ())), f"{where}, budget {label}: reruns dropped: {r['shortened']}"
             plans = r["plans"]
             # DDP: one call per graph (DDPOptimizer's split); FSDP: one call per block, one graph reused
             assert len(plans) == (r["graphs"] if engine == "ddp" else 3), f"{where}: {plans}"
