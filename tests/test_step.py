@@ -537,11 +537,14 @@ def test_reruns_the_step_does_not_need_are_dropped_when_the_backward_compiles(mo
         for a, b in zip(_grads(model), want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         measured = _measure(step)
-        plan = max(remat.step_report().graphs.values(), key=lambda p: p.rerun.reruns if p.rerun else -1)
+        plan = max(remat.step_report().graphs.values(),
+                   key=lambda p: (p.rerun.shortened_from or p.rerun.reruns) if p.rerun else -1)
         results[shorten] = (measured, plan.rerun, plan.recompute_flops, remat.step_report().peak.peak)
     (full, every, flops_all, est_all), (short, kept, flops_kept, est_kept) = results[False], results[True]
     assert every.shortened_from is None and every.reruns > 0
     assert kept.shortened_from == every.reruns and kept.reruns < every.reruns, (kept, every)
     assert kept.names == every.names[:kept.reruns] and flops_kept < flops_all
     assert est_kept == est_all  # the step's estimated peak is the loss graph's backward's, both times
+    assert f"rerun: none of the {every.reruns} values found to recompute a second time: the step peaks " \
+           "elsewhere" in str(plan)
     assert short <= full * 1.02, (short, full)

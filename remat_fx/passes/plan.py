@@ -183,7 +183,12 @@ class Plan:
             lines.append(f"  rerun: {r.reruns} values recomputed a second time ({r.nodes} nodes, {r.flops:,} FLOPs, "
                          f"est. {r.cost_s * 1e3:.3f} ms of "
                          + ("any" if r.allowance_s is None else f"{r.allowance_s * 1e3:.3f} ms") + " allowed): "
-                         f"estimated peak {fmt_bytes(r.peak_before)} -> {fmt_bytes(r.peak_after)}")
+                         f"estimated peak {fmt_bytes(r.peak_before)} -> {fmt_bytes(r.peak_after)}"
+                         + ("" if r.shortened_from is None else
+                            f"; the first {r.reruns} of the {r.shortened_from} found: the step peaks elsewhere"))
+        elif self.rerun is not None and self.rerun.shortened_from:
+            lines.append(f"  rerun: none of the {self.rerun.shortened_from} values found to recompute a second "
+                         "time: the step peaks elsewhere")
         if full:
             for s in self.saved:
                 shape = "x".join(map(str, s.shape)) or "scalar"
