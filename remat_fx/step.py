@@ -485,7 +485,9 @@ def backward_limit(plan: Plan) -> Optional[int]:
     gradients before the reduce-scatter, gradient buckets), so another phase's estimate is no bound
     there (measured, FSDP2 on 2 CPU ranks at budget 0, benchmarks/distributed.py: 6.93 MiB per rank
     with the reruns dropped, 6.18 with all of them, at 0.97x and 1.96x PyTorch's time)."""
-    if not STEP.backward_began or _distributed():
+    from remat_fx.ranks import _group
+
+    if not STEP.backward_began or _group() is not None:
         return None
     calls = STEP.last
     mine = [i for i, g in enumerate(calls) if g.plan is plan]
@@ -510,12 +512,6 @@ def backward_limit(plan: Plan) -> Optional[int]:
     if not others:
         return None
     return min(max(others) - (at[k] - costs[i].backward) for i, k in backward.items())
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 _lower_module.backward_limit = backward_limit

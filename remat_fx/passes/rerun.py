@@ -20,7 +20,8 @@ model's); a rerun is kept only if it lowers the step's estimated peak (or narrow
 that peak on the way down) and its recompute fits the time allowance left, and at the end only the
 shortest prefix of reruns that comes within 1% of the lowest peak is kept. It stops when the
 step's peak is the forward's (the backward can no longer set it). Random ops, mutations and
-anything that reads a tangent are never rerun.
+anything that reads a tangent are never rerun. When the backward is compiled, the step may show
+that another of its graphs sets its peak: ``shorten`` then keeps only the first reruns it needs.
 """
 from __future__ import annotations
 
@@ -249,9 +250,10 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
 
 
 def shorten(report: RerunReport, limit: int):
-    """(backward, report, how much higher its estimated peak is) with only the first of the kept reruns needed to bring the backward's
-    estimated peak to ``limit`` (the reruns are kept in the order the search found them, each
-    lowering the peak: the first k are the search's own plan had it been told to stop there), or
+    """(backward, report, how much higher its estimated peak is) with only the first of the kept
+    reruns needed to bring the backward's estimated peak to ``limit`` (the reruns are kept in the
+    order the search found them, each lowering the peak: the first k are the search's own plan had
+    it been told to stop there), or
     None when all of them are (or the report cannot be shortened). The step calls it when the
     backward is compiled, with what the backward may peak at without setting the step's estimated
     peak (remat_fx/step.py): a backward searched alone counts its forward's outputs as held
