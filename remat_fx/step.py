@@ -437,6 +437,12 @@ class _Step:
         are still alive is noted (released_bytes)."""
         if not self.backward_began:
             live = [c for c in self.calls if c[1]() is not None]
+            if any(g.plan is not None and g.plan.rerun is not None and g.plan.rerun.shortenable for g, _, _ in live):
+                # a backward still to compile may drop reruns by what this step frees (backward_limit);
+                # on the step that compiles, Dynamo's tracing leaves reference cycles holding values it
+                # traced (a Hugging Face model's output object, and in it the logits the loss graph
+                # read), which the steps after do not have (measured, GPT-2: 31.25 MiB of logits)
+                gc.collect()
             position = {id(io): n for n, (_, _, io) in enumerate(live)}
             for _, _, io in live:  # consumers as positions among the step's calls
                 io.alive = io.live()
@@ -471,47 +477,44 @@ STEP = _Step()
 def backward_limit(plan: Plan) -> Optional[int]:
     """What the backward of the graph planned by ``plan`` may peak at (its estimate's measure:
     bytes above its backward's start, what its forward left included) without setting the step's
-    estimated peak: the step's estimate everywhere else (every forward, every other graph's
-    backward) less what the step holds beside this backward, at each call of the graph in the step
-    (passes/lower.py asks when the backward is compiled, at its first call: by then the step's
-    forwards and the later calls' backwards have run). A graph's reruns are searched alone,
+    estimated peak: the least the step's estimate can be everywhere else (every forward, every
+    other graph's backward) less what the step holds beside this backward, at each call of the
+    graph in the step (passes/lower.py asks when the backward is compiled, at its first call: by
+    then the step's forwards and the later calls' backwards have run; an earlier call, whose
+    backward has not, is taken to free all it may before it). A graph's reruns are searched alone,
     counting its forward's outputs as held through its backward; in the step a loss graph compiled
     apart frees the logits and their gradient before the model's backward runs, and its own
     backward, holding both, is the step's peak (a 12-layer GPT-2 at budget 0, hidden 128, on this
     CPU: 77 of the model graph's 122 reruns bring its backward under the loss graph's in the step's
     estimate; the other 45 copied 1,469 nodes). None when the step is not known (no backward
-    began) or is this graph's backwards alone, and under a process group of two ranks or more: the
-    estimate does not count what FSDP and DDP add to a backward (unsharded parameters and their
-    gradients before the reduce-scatter, gradient buckets), so another phase's estimate is no bound
-    there (measured, FSDP2 on 2 CPU ranks at budget 0, benchmarks/distributed.py: 6.93 MiB per rank
-    with the reruns dropped, 6.18 with all of them, at 0.97x and 1.96x PyTorch's time)."""
+    began, no run-time record of it), with a whole-step peak_budget (its plans are the step's), and
+    under a process group of two ranks or more: the estimate does not count what FSDP and DDP add
+    to a backward (unsharded parameters and their gradients before the reduce-scatter, gradient
+    buckets), so another phase's estimate is no bound there (measured, FSDP2 on 2 CPU ranks at
+    budget 0, benchmarks/distributed.py: 6.93 MiB per rank with the reruns dropped, 6.18 with all
+    of them, at 0.97x and 1.96x PyTorch's time)."""
     from remat_fx.ranks import _group
 
     if not STEP.backward_began or _group() is not None:
         return None
     calls = STEP.last
     mine = [i for i, g in enumerate(calls) if g.plan is plan]
-    if not mine or any(g.plan is None for g in calls):
+    if not mine or any(g.plan is None or g.options.step_peak is not None for g in calls):
         return None
     ios = STEP.io_of(calls)
-    if ios is not None and any(ios[i].alive_at_own is not None for i in mine):
-        # on the step that compiles, Dynamo's tracing leaves reference cycles holding the values it
-        # traced (a Hugging Face model's output object, and in it the logits the loss graph read):
-        # they keep outputs alive that the steps after free (measured, GPT-2: 31.25 MiB of logits)
-        gc.collect()
-        for i in mine:
-            if ios[i].alive_at_own is not None:
-                ios[i].alive_at_own = [was and now for was, now in zip(ios[i].alive_at_own, ios[i].live())]
     costs = [g.cost for g in calls]
     found = released_bytes(calls, ios, lambda g: g.plan)
-    released, later = found if found is not None else (None, None)
+    if found is None:
+        return None
+    released, later = found
+    for j, io in enumerate(ios):
+        if j not in mine and io.alive_at_own is None:  # its backward is still to come
+            later[j] = costs[j].held - released[j]
     at = step_peak(costs, released, later).at
     n = len(calls)
     backward = {i: n + (n - 1 - i) for i in mine}  # the backwards follow the forwards, in reverse
-    others = [a for j, a in enumerate(at) if j not in backward.values()]
-    if not others:
-        return None
-    return min(max(others) - (at[k] - costs[i].backward) for i, k in backward.items())
+    others = max(a for j, a in enumerate(at) if j not in backward.values())  # the forwards at least
+    return min(others - (at[k] - costs[i].backward) for i, k in backward.items())
 
 
 _lower_module.backward_limit = backward_limit

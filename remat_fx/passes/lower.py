@@ -154,10 +154,11 @@ def _compile_keeping_reruns_late(*args, schedules: Optional[dict] = None,
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.virtualized import V
 
+    keep_peak = _keeps_peak(partitioner)  # as planned: the reruns the step drops leave the limit's estimate
     if kwargs.get("is_backward") and args:
         args = (_shortened(args[0], partitioner), *args[1:])
     with V.set_choices_handler(_KeepRerunsLate(V.choices)), \
-            config.patch(allow_buffer_reuse=config.allow_buffer_reuse and not _keeps_peak(partitioner)):
+            config.patch(allow_buffer_reuse=config.allow_buffer_reuse and not keep_peak):
         if schedules is None:
             return compile_fx_inner(*args, **kwargs)
         sink: list = []
@@ -189,11 +190,16 @@ def _shortened(bw: fx.GraphModule, partitioner: Optional["RematPartitioner"]) ->
     ``backward_limit``, less a margin (the rest lower a peak the step does not reach here); ``bw``
     itself when all are needed, or the step is unknown, or a peak_budget chose them."""
     plan = None if partitioner is None else partitioner.plan
-    if plan is None or plan.rerun is None or not plan.rerun.reruns or backward_limit is None \
-            or partitioner.options.peak_budget is not None or partitioner.options.peak_fraction is not None:
+    if plan is None or plan.rerun is None or not plan.rerun.shortenable:
         return bw
-    limit = backward_limit(plan)
-    found = None if limit is None else shorten(plan.rerun, int(limit * (1 - _LIMIT_MARGIN)))
+    limit = None
+    if backward_limit is not None and partitioner.options.peak_budget is None \
+            and partitioner.options.peak_fraction is None:
+        limit = backward_limit(plan)
+    if limit is None or not _same_signature(bw, plan.rerun._steps[0]):
+        plan.rerun._steps = None  # the backward compiles once: the search's programs are let go
+        return bw
+    found = shorten(plan.rerun, int(limit * (1 - _LIMIT_MARGIN)))
     if found is None:
         return bw
     new, short, higher = found
@@ -210,9 +216,20 @@ def _shortened(bw: fx.GraphModule, partitioner: Optional["RematPartitioner"]) ->
     plan.step_cost_s -= dropped_s
     plan.peak = dataclasses.replace(plan.peak, backward=plan.peak.backward + higher)
     log.info("remat_fx: graph's backward compiled with %d of its %d reruns: the step's estimated peak is "
-             "elsewhere (%s), estimated backward peak %s", short.reruns, full.reruns, fmt_bytes(limit),
-             fmt_bytes(plan.peak.backward))
+             "elsewhere (the backward may reach %s), estimated backward peak %s", short.reruns, full.reruns,
+             fmt_bytes(limit), fmt_bytes(plan.peak.backward))
     return new
+
+
+def _same_signature(bw: fx.GraphModule, source: fx.GraphModule) -> bool:
+    """Whether AOTAutograd handed the backward over with the inputs and outputs the partition gave
+    it (it may rewrite it after: effect tokens taken out, saved-tensor hooks inlined); if not, the
+    reruns are not rebuilt from the partition's graph."""
+    def signature(gm):
+        out = next(iter(reversed(gm.graph.nodes)))
+        return [n.name for n in gm.graph.find_nodes(op="placeholder")], len(out.args[0])
+
+    return signature(bw) == signature(source)
 
 
 def _keeps_peak(partitioner: Optional["RematPartitioner"]) -> bool:

@@ -57,6 +57,11 @@ class RerunReport:
     # kept rerun (program, backward's estimated peak with it, FX nodes it copies, seconds so far)
     _steps: Optional[tuple] = field(default=None, repr=False, compare=False)
 
+    @property
+    def shortenable(self) -> bool:
+        """Whether ``shorten`` may still drop some of the reruns (until the backward is compiled)."""
+        return self._steps is not None
+
 
 class _Item:
     """One node of the program being rewritten: ``ins`` maps each input node of ``src`` to the
@@ -243,7 +248,8 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
             report.names.append(name)
             report.nodes += len(nodes)
             report.flops += sum(flops(n) for n in nodes)
-        report._steps = (bw, backward0, [(h[0], h[1].backward, h[3], h[4]) for h in keep])
+        if cap is None:  # a peak_budget keeps the reruns it chose (nothing to shorten)
+            report._steps = (bw, backward0, [(h[0], h[1].backward, h[3], h[4]) for h in keep])
         bw = _materialize(bw, prog.items)
     report.seconds = time.perf_counter() - t0
     return bw, report
