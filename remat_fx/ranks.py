@@ -22,7 +22,8 @@ waits past ``WAIT_S`` (the ranks compile different graphs, or one compiles much 
 logs a warning and goes on, unless every rank it waits for has said (a key in the store, set
 before its work) that it is at work on the same exchange: then it waits on, in steps of
 ``WAIT_S``, up to ``BUSY_WAIT_S`` (a whole-step plan of a large model can take minutes).
-``WAIT_S = 0`` turns the exchange off; keep it under the process group's timeout. A fake process group (``backend="fake"``) has no store: nothing is exchanged.
+``WAIT_S = 0`` turns the exchange off; keep it under the process group's timeout. A fake process
+group (``backend="fake"``) has no store: nothing is exchanged.
 
 remat.fit measures each rank's step: ``agreed`` gives every rank the same figures to decide on
 (the largest measured peak, the smallest budget any rank's estimate asks for), so that the ranks

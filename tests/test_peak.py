@@ -1,5 +1,7 @@
 """Peak memory: the just-in-time schedule of recomputation, the static peak estimate against the
 profiler's measurement, and peak_budget."""
+import copy
+
 import pytest
 import torch
 import torch.fx as fx
@@ -136,6 +138,11 @@ def _held_graph():
     g2 = g.call_function(torch.ops.aten.mul.Tensor, (g1, g1))
     g3 = g.call_function(torch.ops.aten.add.Tensor, (g2, r1))
     g.output((g3,))
+    return _module(g)
+
+
+def _module(g: fx.Graph) -> fx.GraphModule:
+    """A backward-shaped test graph, every value a 4 x 4 float32 tensor."""
     gm = fx.GraphModule(torch.nn.Module(), g)
     for node in gm.graph.nodes:
         node.meta["val"] = torch.empty(4, 4)
@@ -193,7 +200,7 @@ def test_rerun_keeps_the_fewest_reruns_that_come_within_one_percent_of_the_lowes
 
 
 def _two_held_graph():
-    """r1 and s1 are both held from their early use (m) across the peak at g2 to their late uses g3, g4."""
+    """r1 and s1 are both held from their early use (m) across the peak at g2 to their late uses."""
     g = fx.Graph()
     a, t = g.placeholder("a"), g.placeholder("tangents_1")
     r1 = g.call_function(torch.ops.aten.sin.default, (a,))
@@ -205,10 +212,7 @@ def _two_held_graph():
     g4 = g.call_function(torch.ops.aten.add.Tensor, (g3, s1))
     g5 = g.call_function(torch.ops.aten.add.Tensor, (g4, m))
     g.output((g5,))
-    gm = fx.GraphModule(torch.nn.Module(), g)
-    for node in gm.graph.nodes:
-        node.meta["val"] = torch.empty(4, 4)
-    return gm
+    return _module(g)
 
 
 def test_shorten_keeps_the_first_reruns_that_bring_the_backward_to_a_limit():
@@ -233,19 +237,27 @@ def test_shorten_keeps_the_first_reruns_that_bring_the_backward_to_a_limit():
     assert source is gm and backward0 == 5 * n and [s[1] for s in steps] == [5 * n, 4 * n]
     # the first rerun only narrows the peak here: a limit it meets is made up for the prefix
     report._steps = (source, 6 * n, [(steps[0][0], 5 * n, *steps[0][2:]), steps[1]])
-    bw, short, higher = shorten(report, 5 * n)
+    bw, short, higher = shorten(report, full, 5 * n)
     assert [(node.name, node.meta.get(RERUN)) for node in bw.graph.nodes if node.meta.get(RERUN)] == \
         [("sin_default_rerun1", 1)]
     assert (short.reruns, short.names, short.shortened_from, short.nodes) == (1, ["sin_default"], 2, 1)
     assert higher == n
     torch.testing.assert_close(bw(x, t), want)
-    assert shorten(report, 5 * n) is None  # once: the search's programs are let go
+    assert not report.shortenable and shorten(report, full, 5 * n) is None  # once: the programs are let go
 
-    _, report = search()
-    bw, short, higher = shorten(report, 5 * n)  # the backward without reruns meets the limit
+    full, report = search()
+    bw, short, higher = shorten(report, full, 5 * n)  # the backward without reruns meets the limit
     assert bw is gm and (short.reruns, short.shortened_from, short.peak_after, higher) == (0, 2, 5 * n, n)
-    _, report = search()
-    assert shorten(report, 5 * n - 1) is None  # every rerun is needed
+    full, report = search()
+    assert shorten(report, full, 5 * n - 1) is None  # every rerun is needed
+    full, report = search()
+    assert shorten(report, full, None) is None and not report.shortenable  # no limit: let go all the same
+    # AOTAutograd handed over a backward with other inputs than the search's (an effect token)
+    full, report = search()
+    other = copy.deepcopy(full)
+    with other.graph.inserting_before(next(iter(other.graph.nodes))):
+        other.graph.placeholder("tokens")
+    assert shorten(report, other, 5 * n) is None and not report.shortenable
 
 
 def test_rerun_under_inductor_copies_the_inlined_op_a_late_reader_reads_through():

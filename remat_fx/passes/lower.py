@@ -196,10 +196,7 @@ def _shortened(bw: fx.GraphModule, partitioner: Optional["RematPartitioner"]) ->
     if backward_limit is not None and partitioner.options.peak_budget is None \
             and partitioner.options.peak_fraction is None:
         limit = backward_limit(plan)
-    if limit is None or not _same_signature(bw, plan.rerun._steps[0]):
-        plan.rerun._steps = None  # the backward compiles once: the search's programs are let go
-        return bw
-    found = shorten(plan.rerun, int(limit * (1 - _LIMIT_MARGIN)))
+    found = shorten(plan.rerun, bw, None if limit is None else int(limit * (1 - _LIMIT_MARGIN)))
     if found is None:
         return bw
     new, short, higher = found
@@ -219,17 +216,6 @@ def _shortened(bw: fx.GraphModule, partitioner: Optional["RematPartitioner"]) ->
              "elsewhere (the backward may reach %s), estimated backward peak %s", short.reruns, full.reruns,
              fmt_bytes(limit), fmt_bytes(plan.peak.backward))
     return new
-
-
-def _same_signature(bw: fx.GraphModule, source: fx.GraphModule) -> bool:
-    """Whether AOTAutograd handed the backward over with the inputs and outputs the partition gave
-    it (it may rewrite it after: effect tokens taken out, saved-tensor hooks inlined); if not, the
-    reruns are not rebuilt from the partition's graph."""
-    def signature(gm):
-        out = next(iter(reversed(gm.graph.nodes)))
-        return [n.name for n in gm.graph.find_nodes(op="placeholder")], len(out.args[0])
-
-    return signature(bw) == signature(source)
 
 
 def _keeps_peak(partitioner: Optional["RematPartitioner"]) -> bool:

@@ -255,20 +255,25 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     return bw, report
 
 
-def shorten(report: RerunReport, limit: int):
+def shorten(report: RerunReport, bw: fx.GraphModule, limit: Optional[int]):
     """(backward, report, how much higher its estimated peak is) with only the first of the kept
     reruns needed to bring the backward's estimated peak to ``limit`` (the reruns are kept in the
     order the search found them, each lowering the peak: the first k are the search's own plan had
-    it been told to stop there), or
-    None when all of them are (or the report cannot be shortened). The step calls it when the
-    backward is compiled, with what the backward may peak at without setting the step's estimated
-    peak (remat_fx/step.py): a backward searched alone counts its forward's outputs as held
-    throughout, and cannot know that a later graph's backward (a loss graph holding the logits and
-    their gradient) peaks higher. The report's figures are those of the shortened backward."""
+    it been told to stop there), or None when all of them are needed, ``limit`` is None, or ``bw``
+    (the backward with the reruns, as AOTAutograd hands it to be compiled) no longer has the
+    inputs and outputs the search saw (AOTAutograd may take effect tokens out or inline
+    saved-tensor hooks after the partition). Called once, when the backward is compiled: the
+    search's programs are let go. The step gives ``limit``: what the backward may peak at without
+    setting the step's estimated peak (remat_fx/step.py); a backward searched alone counts its
+    forward's outputs as held throughout, and cannot know that a later graph's backward (a loss
+    graph holding the logits and their gradient) peaks higher. The report's figures are those of
+    the shortened backward."""
     if report._steps is None:
         return None
     source, backward0, steps = report._steps
     report._steps = None  # once: the programs hold the backward's nodes
+    if limit is None or _signature(bw) != _signature(source):
+        return None
     if backward0 <= limit:
         k = 0
     else:
@@ -287,6 +292,11 @@ def shorten(report: RerunReport, limit: int):
         short.nodes += len(nodes)
         short.flops += sum(flops(n) for n in nodes)
     return _materialize(source, items), short, higher
+
+
+def _signature(gm: fx.GraphModule):
+    out = next(iter(reversed(gm.graph.nodes)))
+    return [n.name for n in gm.graph.find_nodes(op="placeholder")], len(out.args[0])
 
 
 _NEAR_LOWEST = 0.01  # reruns past the first peak this close to the lowest one found are not kept
