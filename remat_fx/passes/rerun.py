@@ -106,6 +106,7 @@ class _Program:
         self.roots: Dict[_Item, object] = {}
         self.facts: dict = {}  # node_facts of the backward's nodes, which the search never changes
         self.nbytes: Dict[fx.Node, int] = {}  # storage bytes of each node
+        self.seconds: Dict[fx.Node, float] = {}  # the cost model's time of each node
 
     def root(self, item: _Item, memo: dict):
         found = memo.get(item)
@@ -123,7 +124,8 @@ class _Program:
 
     def simulate(self):
         """Liveness of the program as passes/peak.simulate counts it (with ``inline``, as Inductor
-        runs it): (live bytes per position, root of each position, start, last, uses, size by root)."""
+        runs it): (live bytes per position, root of each position, start, last, uses, size by root,
+        the items inlined, the position of each item)."""
         items = self.items
         memo = self.roots
         position = {item: i for i, item in enumerate(items)}
@@ -160,14 +162,17 @@ class _Program:
                 keys.add(memo[m])
                 if m in inlined:
                     keys |= through[m]
-            if item in inlined:
-                through[item] = keys
             for k in keys:
                 if k in uses:
                     uses[k].append(i)
                 else:
                     uses[k] = [i]
-            reads.append(keys | {roots[i]})
+            if item in inlined:
+                through[item] = keys
+                reads.append(keys | {roots[i]})
+            else:
+                keys.add(roots[i])
+                reads.append(keys)
         outputs = {memo[m] for m in items[end].ins.values()}
         writers = {roots[i] for i, item in enumerate(items[:end])
                    if item not in inlined and node_facts(item.src, self.facts).pointwise} \
@@ -175,7 +180,7 @@ class _Program:
         live, last = liveness(end, storages, reads[:end], outputs, writers)
         start = {k: v[0] for k, v in storages.items()}
         size = {k: v[1] for k, v in storages.items()}
-        return live, roots, start, last, uses, size, inlined
+        return live, roots, start, last, uses, size, inlined, position
 
 
 @dataclass
@@ -216,9 +221,9 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     stale, spent = 0, 0.0
     # with a cap, the search ends once the peak meets it (_prefix keeps the fewest reruns that do)
     while len(history) < max_reruns and cur.peak > max(floor, cap or 0) and stale < patience:
-        live, roots, start, last, uses, size, inlined = sim
+        live, roots, start, last, uses, size, inlined, index = sim
         t_star = max(range(len(live)), key=lambda i: (live[i], -i))
-        candidates = _candidates(prog, live, roots, start, last, uses, size, inlined, t_star, cost, max_closure)
+        candidates = _candidates(prog, live, roots, start, last, uses, size, inlined, index, t_star, cost, max_closure)
         taken = None
         affordable = [c for c in candidates if allowance is None or spent + c[2]["seconds"] <= allowance]
         for score, root, plan in affordable[:tries]:
@@ -320,8 +325,9 @@ def _prefix(history, peak0: int, cap, min_gain: float) -> int:
     return k if k and peaks[k] <= (1 - min_gain) * peak0 else 0
 
 
-def _candidates(prog: _Program, live, roots, start, last, uses, size, inlined, t_star, cost, max_closure):
-    """(score, root, plan) for values held across ``t_star`` but not used there, best first."""
+def _candidates(prog: _Program, live, roots, start, last, uses, size, inlined, index, t_star, cost, max_closure):
+    """(score, root, plan) for values held across ``t_star`` but not used there, best first;
+    ``index``: the position of each item."""
     items = prog.items
     used_here = {roots[i] for i in [t_star]} | {prog.root(m, prog.roots) for m in items[t_star].ins.values()}
     end = len(items) - 1
@@ -331,7 +337,7 @@ def _candidates(prog: _Program, live, roots, start, last, uses, size, inlined, t
                 and r.src in prog.rerunnable:
             held.append(r)
     held.sort(key=lambda r: -size[r])
-    index = {id(it): i for i, it in enumerate(items)}
+    seconds_of = prog.seconds
     out = []
     for r in held[:32]:
         later = [i for i in uses.get(r, ()) if i > t_star]
@@ -344,6 +350,8 @@ def _candidates(prog: _Program, live, roots, start, last, uses, size, inlined, t
         for wide in (False, True):
             found = _closure(prog, r, need, u, t_star, roots, index, start, last, uses, size, inlined, used_here,
                              max_closure, wide)
+            if found is _CANNOT:  # the wide closure holds the narrow one: it cannot either
+                break
             if found is None:
                 continue
             closure, extended = found
@@ -351,49 +359,60 @@ def _candidates(prog: _Program, live, roots, start, last, uses, size, inlined, t
             # across t_star whose next use comes at u or later dies before t_star too
             freed = -sum(extended.values())
             for item in closure:
-                root = roots[index[id(item)]]
+                root = roots[index[item]]
                 if root is item and (root is r or _freed_at(root, t_star, u, start, last, uses, used_here, size)):
                     freed += size[root]
             if freed <= 0:
                 continue
             nodes = [it.src for it in closure]
-            seconds = sum(cost(n) for n in nodes)
-            order = sorted(closure, key=lambda it: index[id(it)])
+            seconds = 0.0
+            for n in nodes:
+                c = seconds_of.get(n)
+                if c is None:
+                    c = seconds_of[n] = cost(n)
+                seconds += c
+            order = sorted(closure, key=index.__getitem__)
             out.append((freed / (seconds + 1e-9), r, {"closure": order, "need": need, "at": u, "users": late_users,
                                                       "nodes": nodes, "seconds": seconds}))
     out.sort(key=lambda c: -c[0])
     return out
 
 
+_CANNOT = object()  # _closure: too large, or it reads an output of an op that cannot run again
+
+
 def _closure(prog: _Program, r, need, u: int, t_star: int, roots, index, start, last, uses, size, inlined,
              used_here, max_closure: int, wide: bool):
-    """(closure, extended) of a rerun of ``r`` before position ``u``: the items to copy, in no order,
-    and {storage: bytes it now stays alive across t_star} of what they read that cannot run again;
-    None if the closure is too large or cannot be built. It stops at values alive at ``u`` anyway
-    (``wide``: only at those that stay alive across ``t_star`` anyway, so that a rerun from further
-    back also frees the values held across the peak on the way, as a per-block checkpoint does)."""
+    """(closure, extended) of a rerun of ``r`` before position ``u``: the items to copy, in no
+    order, and {storage: bytes it now stays alive across t_star} of what they read that cannot run
+    again; ``_CANNOT`` if the closure is too large or cannot be built, None if it does not remake
+    what the late users read. It stops at values alive at ``u`` anyway (``wide``: only at those
+    that stay alive across ``t_star`` anyway, so that a rerun from further back also frees the
+    values held across the peak on the way, as a per-block checkpoint does). The wide closure holds
+    the narrow one (it stops at fewer values), so where the narrow one cannot be built, neither can
+    the wide one."""
     closure: Dict[_Item, None] = {}
     stack, extended = [(m, False) for m in need], {}
     while stack:
         item, forced = stack.pop()
         if item in closure:
             continue
-        i = index[id(item)]
+        i = index[item]
         root = roots[i]
         if not forced and root is not r and i < u and last[root] >= u and item not in inlined and \
                 not (wide and _freed_at(root, t_star, u, start, last, uses, used_here, size)):
             continue  # alive at u anyway (an inlined op is not: it is computed inside each reader)
         if item.src not in prog.rerunnable:
             if forced:  # an output of an op that cannot run again
-                return None
+                return _CANNOT
             extended[root] = size[root] if start[root] <= t_star and last[root] < t_star else 0
             continue  # kept alive until u (a saved tensor, a parameter)
         closure[item] = None
         if len(closure) > max_closure:
-            return None
+            return _CANNOT
         # a getitem of an op returning several tensors owns no storage of its own: its copy is
         # a new tensor only if the op runs again (else it is the first copy's, made at the op)
-        own = _owns_outputs(item)
+        own = item.src.target is operator.getitem and _owns_outputs(item)
         stack.extend((m, own) for m in item.ins.values())
     if not need <= closure.keys():  # e.g. an inlined op that reads a tangent
         return None
@@ -421,7 +440,7 @@ def _owns_outputs(item: _Item) -> bool:
 def _reaches(m: _Item, r, roots, index, inlined, rewired) -> bool:
     """Whether reading ``m`` reads the storage ``r``: ``m`` is (a view of) it, or an inlined op (not
     itself rewired to the copies) computed inside its reader from a chain that reads it."""
-    if roots[index[id(m)]] is r:
+    if roots[index[m]] is r:
         return True
     return m in inlined and m not in rewired and any(_reaches(x, r, roots, index, inlined, rewired)
                                                      for x in m.ins.values())
