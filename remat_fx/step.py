@@ -510,8 +510,16 @@ def backward_limit(plan: Plan) -> Optional[int]:
     for j, io in enumerate(ios):
         if j not in mine and io.alive_at_own is None:  # its backward is still to come
             later[j] = costs[j].held - released[j]
+    return limit_for(costs, mine, released, later)
+
+
+def limit_for(costs: Sequence[CallCost], mine: Sequence[int], released: Optional[Sequence[int]] = None,
+              later: Optional[Sequence[int]] = None) -> int:
+    """The highest ``backward`` (a :class:`CallCost` field) the calls ``mine`` (of one graph) may
+    have without raising the estimated peak of the step ``costs`` (:func:`step_peak`, with its
+    ``released`` and ``later``) above its highest point at any other forward or backward."""
     at = step_peak(costs, released, later).at
-    n = len(calls)
+    n = len(costs)
     backward = {i: n + (n - 1 - i) for i in mine}  # the backwards follow the forwards, in reverse
     others = max(a for j, a in enumerate(at) if j not in backward.values())  # the forwards at least
     return min(others - (at[k] - costs[i].backward) for i, k in backward.items())

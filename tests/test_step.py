@@ -1,5 +1,6 @@
 """The whole step: several compiled graphs (a graph break in the middle of the blocks), one
 report, one peak_budget for all of them, and the measured fit with its plan cache."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import torch
 import remat_fx as remat
 from remat_fx.measure import step_peak_bytes
 from remat_fx.passes.peak import PeakInfeasible
-from remat_fx.step import STEP, CallCost, step_peak
+from remat_fx.step import STEP, CallCost, limit_for, step_peak
 
 MODEL = '''
 import torch
@@ -94,6 +95,47 @@ def test_step_peak_adds_what_earlier_calls_hold():
     # the first call's held output kept by a later call's graph: held through the later backwards,
     # gone by the first call's own (2 bytes less there only)
     assert step_peak([a, b, b], later=[2, 0, 0]).at == (20, 20, 26, 30, 27, 34)
+
+
+@pytest.mark.parametrize("released, later", [(None, None), ([50, 0], None), ([0, 0], [50, 0])])
+def test_a_backwards_limit_is_the_highest_it_may_reach_without_raising_the_steps_peak(released, later):
+    """limit_for (what backward_limit gives the backward compiling now): a model graph and a loss
+    graph whose backward, holding the logits and their gradient, is the step's peak."""
+    model = CallCost(saved=100, held=50, forward=120, backward=200, grads=10)
+    loss = CallCost(saved=50, held=0, forward=60, backward=180, grads=0)
+    costs = [model, loss]
+    limit = limit_for(costs, [0], released, later)
+    top = step_peak(costs, released, later)
+    assert (top.call, top.phase) == (1, "backward")
+
+    def peak(backward):
+        return step_peak([dataclasses.replace(model, backward=backward), loss], released, later)
+
+    assert peak(limit).peak == top.peak  # up to the limit the loss graph's backward stays the peak
+    assert (peak(limit + 1).peak, peak(limit + 1).call) == (top.peak + 1, 0)
+    # nothing but the loss graph's gradients (none) lies under the model's backward: its limit is
+    # the loss graph's backward in the step, plus what its own measure counts and the step frees
+    # before it (the logits, its held output: released while the forwards ran, or by the loss
+    # graph's backward)
+    assert limit == top.peak + (released or [0, 0])[0] + (later or [0, 0])[0]
+
+
+def test_a_graph_called_twice_has_one_limit_for_both_backwards():
+    block = CallCost(saved=30, held=5, forward=40, backward=70, grads=8)
+    head = CallCost(saved=200, held=0, forward=210, backward=260, grads=2)
+    # forwards 40, 35+210, 235+40; backwards (reverse) 235+70, 35+8+260, 0+10+70
+    assert step_peak([block, head, block]).at == (40, 245, 275, 305, 303, 80)
+    # both calls of the block graph under one limit: the last call's backward, with the first
+    # call's saved bytes and the head's beneath it, sets it (303 - 235, not 303 - 10)
+    limit = limit_for([block, head, block], [0, 2])
+    assert limit == 68
+
+    def both(backward):
+        b = dataclasses.replace(block, backward=backward)
+        return step_peak([b, head, b])
+
+    assert both(limit).peak == 303  # the head's backward, reached again by the last call's
+    assert (both(limit + 1).peak, both(limit + 1).call) == (304, 2)
 
 
 def test_step_report_lists_every_call_and_estimates_the_whole_step():
