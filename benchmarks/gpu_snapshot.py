@@ -5,8 +5,9 @@ runs two steps (the second plans the step as a whole), then records the CUDA cac
 history over one more step (``torch.cuda.memory._record_memory_history``) and prints, for the
 moment the step's allocations peak: ``remat.step_report()``, every block then alive that the step
 allocated, grouped by the line of Inductor's generated code (and the model's line) that allocated
-it, and the events just before the peak. This is how the CUDA-only buffers the estimate does not
-model were found (docs/benchmarks.md, "NVIDIA H100, GPT-2 again").
+it, and the events just before the peak; then, per compiled graph, what remat's estimate has alive
+at its backward's estimated peak. This is how the CUDA-only buffers the estimate did not model
+were found (docs/benchmarks.md, "NVIDIA H100, GPT-2 again").
 
     python benchmarks/gpu_snapshot.py --model gpt2 --layers 12 --hidden 768 --vocab 50257 --batch 8 --seq 1024 \\
         --budgets 0.1,0
@@ -44,9 +45,42 @@ def _where(frames) -> str:
     return " <- ".join(keep) or "?"
 
 
+def estimate_at_peak(fw, bw, num_fwd_outputs: int, inline: bool, top: int = 12) -> str:
+    """The storages alive at the backward's estimated peak (passes/peak.py's liveness of ``bw``)."""
+    from remat_fx.passes import peak
+
+    counted, shared, _, _ = peak.backward_inputs(fw, bw, num_fwd_outputs)
+    nbytes, node, alive = peak.alive_at_peak(bw, counted, shared, inline)
+    lines = [f"  backward of {len(bw.graph.nodes)} nodes: estimated peak {nbytes / 2**20:.1f} MiB at {node.name} "
+             f"({node.target}); alive there:"]
+    for size, k in alive[:top]:
+        val = k.meta.get("val") if isinstance(k, torch.fx.Node) else None
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ""
+        lines.append(f"    {size / 2**20:9.1f} MiB  {getattr(k, 'name', k)} {getattr(k, 'target', '')} {shape}")
+    return "\n".join(lines)
+
+
 def snapshot(args, budget: float) -> str:
+    from remat_fx.passes import lower
+
     torch._dynamo.reset()
     STEP.reset()
+    partitions = []  # (fw, bw, num_fwd_outputs, inline) of each graph, as its partition made them
+    partitioner = lower.RematPartitioner.__call__
+
+    def keep(self, gm, joint_inputs, **kwargs):
+        fw, bw = partitioner(self, gm, joint_inputs, **kwargs)
+        partitions.append((fw, bw, kwargs["num_fwd_outputs"], self.options.lower == "inductor"))
+        return fw, bw
+
+    lower.RematPartitioner.__call__ = keep
+    try:
+        return _snapshot(args, budget, partitions)
+    finally:
+        lower.RematPartitioner.__call__ = partitioner
+
+
+def _snapshot(args, budget: float, partitions: list) -> str:
     model, ids = gpu.build(args)
     step = gpu.make_step(model, torch.compile(model, backend="remat", options={"memory_budget": budget}), ids,
                          args.device, args.bf16)
@@ -93,6 +127,8 @@ def snapshot(args, budget: float) -> str:
     lines.append("the events before the peak:")
     lines += [f"  {e['action']:14s} {e['size'] / 2**20:8.1f} MiB  {_where(e.get('frames', []))}"
               for e in trace[max(0, at - 30):at + 1]]
+    lines.append("remat's estimate, per graph (its backward as the partition made it, before a step's shortening):")
+    lines += [estimate_at_peak(*p) for p in partitions]
     return "\n".join(lines)
 
 

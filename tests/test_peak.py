@@ -8,7 +8,7 @@ import torch.fx as fx
 
 import remat_fx as remat
 from benchmarks.memory import step_peak_bytes
-from remat_fx.passes.peak import simulate
+from remat_fx.passes.peak import alive_at_peak, simulate
 from remat_fx.passes.schedule import schedule_recompute
 from tests.test_budget import _gpt, _hf_gpt2, _mlp
 
@@ -139,6 +139,38 @@ def _held_graph():
     g3 = g.call_function(torch.ops.aten.add.Tensor, (g2, r1))
     g.output((g3,))
     return _module(g)
+
+
+@pytest.mark.parametrize("device, peak, end", [("cpu", 4, 1), ("cuda", 5, 2)])
+def test_an_incoming_gradient_on_cuda_is_held_to_the_backwards_end(device, peak, end):
+    """On CUDA the autograd engine holds a backward's incoming gradient until the backward returns
+    (passes/peak.py held_to_end): here the peak comes after its last reader, one tensor higher."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat_fx.passes.rerun import rerun_for_peak
+
+    g = fx.Graph()
+    t, a = g.placeholder("tangents_1"), g.placeholder("a")
+    g1 = g.call_function(torch.ops.aten.mul.Tensor, (t, t))  # the gradient's last reader
+    r1 = g.call_function(torch.ops.aten.sin.default, (a,))
+    r2 = g.call_function(torch.ops.aten.cos.default, (a,))
+    r3 = g.call_function(torch.ops.aten.mul.Tensor, (r1, r2))  # g1, r1, r2, r3 (and on CUDA t)
+    g.output((g.call_function(torch.ops.aten.add.Tensor, (r3, g1)),))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    with FakeTensorMode():
+        val = torch.empty(4, 4, device=device)
+    for node in gm.graph.nodes:
+        node.meta["val"] = val
+    n = 4 * 4 * 4
+    assert simulate(gm, {"tangents_1"}) == (peak * n, end * n)
+    top, at, alive = alive_at_peak(gm, {"tangents_1"})
+    assert (top, at.name) == (peak * n, "mul_tensor_1")
+    assert sorted(k.name for _, k in alive) == sorted(["mul_tensor", "sin_default", "cos_default", "mul_tensor_1"]
+                                                      + (["tangents_1"] if device == "cuda" else []))
+    # under Inductor every op here is computed inside the add: its output, and on CUDA the gradient
+    assert simulate(gm, {"tangents_1"}, inline=True)[0] == (2 if device == "cuda" else 1) * n
+    _, report = rerun_for_peak(gm, {"tangents_1"}, {}, 0, 0, lambda node: 1e-6)
+    assert report.peak_before == peak * n
 
 
 def _module(g: fx.Graph) -> fx.GraphModule:

@@ -11,7 +11,8 @@ uses), and its code generator which kernels write their output over an input tha
 local to one fused kernel). :func:`reading_schedules` reads them, for each graph compiled inside
 it, and counts as passes/peak.py does: a forward's inputs (parameters, the batch) exist before
 the step and are not counted, a backward's saved activations and tangents are, each freed after
-the kernel that last reads it. On the 8-layer Llama this equals the measured step peak at memory
+the kernel that last reads it (a tangent on CUDA at the backward's end: passes/peak.py
+``held_to_end``). On the 8-layer Llama this equals the measured step peak at memory
 budgets 1 / 0.5 / 0.3 / 0.15 / 0 (the FX estimate: 3.4 MiB over to 1.6 MiB under):
 passes/lower.py checks a byte ``peak_budget`` against it.
 
@@ -76,13 +77,21 @@ def _timeline(scheduler):
                                                            scheduler.name_to_buf, freeable)
     infos, _, _ = memory.compute_memory_timeline(nodes, freeable, outputs)
     own = [i for i in infos if not (_name(i) in freeable and i.buffer is freeable[_name(i)])]
+    # a backward's incoming gradients on CUDA are alive to its end (passes/peak.py held_to_end)
+    held = {name for name in graph_inputs if name.startswith("tangents") and _on_cuda(V.graph.graph_inputs[name])}
     inputs: Dict[str, Tuple[int, int]] = {}
     for step, node in enumerate(nodes):
         for dep in node.read_writes.reads:
             if dep.name in graph_inputs:
                 nbytes = max(inputs.get(dep.name, (0, 0))[0], V.graph.get_dep_size_hint(dep))
-                inputs[dep.name] = (nbytes, -1 if dep.name in outputs else step)
+                inputs[dep.name] = (nbytes, -1 if dep.name in outputs or dep.name in held else step)
     return own, inputs, len(nodes)
+
+
+def _on_cuda(box) -> bool:
+    get_device = getattr(box, "get_device", None)  # none on a symbolic size's input
+    device = get_device() if get_device is not None else None
+    return device is not None and device.type == "cuda"
 
 
 def _schedule(infos, inputs: Dict[str, Tuple[int, int]], n: int, reuses: Dict[str, str],

@@ -214,6 +214,22 @@ def own_buffer(key) -> bool:
     return not isinstance(node, fx.Node) or node.op == "placeholder" or node.target is not operator.getitem
 
 
+def held_to_end(node: fx.Node) -> bool:
+    """A backward's incoming gradient (a ``tangents`` input) on CUDA: alive until the backward
+    returns, not only until its last reader. The compiled backward drops its own reference there,
+    but on CUDA the autograd engine still holds the tensor (on the CPU it does not). Measured on an
+    H100 (torch 2.11, both lowerings, float32 and bf16): a step whose peak comes after the last
+    reader of a 2 MiB incoming gradient peaks exactly as high whether or not a hook keeps the
+    gradient alive to the end, 2.00 MiB above this model's estimate with the gradient freed at its
+    reader; on this CPU (torch 2.13) the hook adds the 2 MiB and the estimate equals the step.
+    On the GPT-2 of docs/benchmarks.md it was the logits' gradient, 785 MiB, still allocated when
+    Inductor padded the LM head's weight."""
+    if node.op != "placeholder" or not str(node.target).startswith("tangents"):
+        return False
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.device.type == "cuda"
+
+
 def _on_cpu(node: fx.Node) -> bool:
     val = node.meta.get("val")
     return not isinstance(val, torch.Tensor) or val.device.type == "cpu"
@@ -282,11 +298,29 @@ def _in_place(storages, reads, last, writers: Set) -> Dict[object, int]:
 def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,
              inline: bool = False) -> tuple:
     """(peak bytes, bytes live at the end) of running ``gm`` op by op; placeholders named in
-    ``counted_inputs`` are live from the start (and freed after their last use), others are free.
+    ``counted_inputs`` are live from the start (and freed after their last use, or at the end:
+    ``held_to_end``), others are free.
     ``shared`` maps placeholder names to a storage key: placeholders that are views of one storage
     (saved views of one forward tensor) count once, until the last use of any of them. ``inline``
     (the Inductor lowering): ``inlined_nodes`` take no memory, and their inputs live until the
     user they are computed inside."""
+    _, storages, outputs, live, _ = _timeline(gm, counted_inputs, shared, inline)
+    return max(live), sum(storages[k][1] for k in outputs if k in storages)
+
+
+def alive_at_peak(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,
+                  inline: bool = False) -> Tuple[int, fx.Node, List[Tuple[int, object]]]:
+    """(bytes at the peak of ``simulate``, the node it is reached at, [(bytes, storage) alive
+    there, largest first]): a storage is the node that made it, or a placeholder's ``shared`` key."""
+    nodes, storages, _, live, last = _timeline(gm, counted_inputs, shared, inline)
+    t = max(range(len(live)), key=live.__getitem__)
+    alive = [(nbytes, k) for k, (start, nbytes) in storages.items() if nbytes and start <= t <= last[k]]
+    return live[t], nodes[min(t, len(nodes) - 1)], sorted(alive, key=lambda a: -a[0])
+
+
+def _timeline(gm: fx.GraphModule, counted_inputs: Iterable[str], shared: Optional[Dict[str, str]], inline: bool):
+    """(nodes, {storage: (position, bytes)}, storages alive to the end, bytes live per position,
+    last position of each storage) of ``simulate``."""
     counted, shared = set(counted_inputs), shared or {}
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
     index = {n: i for i, n in enumerate(nodes)}
@@ -306,12 +340,12 @@ def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dic
     memo: dict = {}
     reads = [{key(node)} | {key(m) for m in reads_through(node, lambda x: x.all_input_nodes, inlined, memo)}
              for node in nodes]
-    outputs: Set[object] = set()
+    outputs: Set[object] = {key(n) for n in nodes if held_to_end(n)}  # alive to the end, as the outputs
     fx.node.map_arg(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args,
                     lambda n: outputs.add(key(n)))
     writers = {key(n) for n in nodes if n not in inlined and pointwise_op(n)} if inline else None
-    live, _ = liveness(len(nodes), storages, reads, outputs, writers)
-    return max(live), sum(storages[k][1] for k in outputs if k in storages)
+    live, last = liveness(len(nodes), storages, reads, outputs, writers)
+    return nodes, storages, outputs, live, last
 
 
 def allocation(src: fx.Node, position: int, producer_position: Optional[int], counted: Set[str],
