@@ -107,7 +107,7 @@ class _Program:
         self.facts: dict = {}  # node_facts of the backward's nodes, which the search never changes
         self.nbytes: Dict[fx.Node, int] = {}  # storage bytes of each node
         self.seconds: Dict[fx.Node, float] = {}  # the cost model's time of each node
-        self.held = [item for item in self.items if held_to_end(item.src)]  # alive to the end (never copied)
+        self.to_end = [item for item in self.items if held_to_end(item.src)]  # alive to the end (never copied)
 
     def root(self, item: _Item, memo: dict):
         found = memo.get(item)
@@ -174,7 +174,7 @@ class _Program:
             else:
                 keys.add(roots[i])
                 reads.append(keys)
-        outputs = {memo[m] for m in items[end].ins.values()} | {memo[item] for item in self.held}
+        outputs = {memo[m] for m in items[end].ins.values()} | {memo[item] for item in self.to_end}
         writers = {roots[i] for i, item in enumerate(items[:end])
                    if item not in inlined and node_facts(item.src, self.facts).pointwise} \
             if self.inline else None
