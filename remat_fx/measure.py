@@ -50,12 +50,21 @@ def step_peak_bytes(step: Callable[[], object], device: Optional[torch.device] =
         if event.typed[0] == _EventType.Allocation and event.typed[1].device.type == "cpu":
             fields = event.typed[1]
             events.append((event.start_time_ns, len(events), fields.alloc_size, fields.ptr))
+    return _peak(events)
+
+
+def _peak(events) -> int:
+    """The highest running total of the allocation ``events`` ((time, order, bytes, address); bytes
+    below 0: a free) above their start, crediting only frees of blocks they allocated, and a block's
+    free when its address is allocated again without one (a block freed on a thread the profiler
+    does not follow, e.g. gloo's, where FSDP's collectives drop their buffers, makes no event: the
+    address is credited at the latest it can have been freed)."""
     live: Dict[int, int] = {}  # address -> bytes, of the blocks this call allocated
     level = peak = 0
     for _, _, size, ptr in sorted(events):
         if size > 0:
+            level += size - live.get(ptr, 0)
             live[ptr] = size
-            level += size
         elif ptr in live:  # not a block allocated before the call (see the module's docstring)
             level -= live.pop(ptr)
         peak = max(peak, level)
