@@ -71,6 +71,17 @@ def call_cost(plan: Plan, grads: int) -> CallCost:
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """What a sharding engine (FSDP2's ``fully_shard`` with ``reshard_after_forward``) adds to a step,
+    seen at run time: per call, the bytes of the parameters it was given that were freed after its
+    forward (the engine gathers them for the forward, frees them, and gathers them again for the
+    backward), and the ranks their gradients are reduce-scattered over."""
+
+    gathered: Tuple[int, ...]
+    world: int
+
+
+@dataclass(frozen=True)
 class StepPeak:
     peak: int  # bytes above the step's start
     call: int  # index of the call at whose forward or backward it is reached
@@ -79,33 +90,45 @@ class StepPeak:
 
 
 def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = None,
-              later: Optional[Sequence[int]] = None) -> StepPeak:
+              later: Optional[Sequence[int]] = None, sharding: Optional[Sharding] = None) -> StepPeak:
     """The estimated peak of a step whose forwards run in the order of ``costs`` and whose
     backwards run in reverse. ``released[i]``: bytes of call i's held outputs that are freed before
     the backwards (:func:`released_bytes`; by default none: each is held until its call's backward);
     ``later[i]``: bytes of the others freed during the later calls' backwards, before call i's (a
     loss graph that saved the logits it read frees them with its backward); they leave the estimate
     at call i's backward, not at the freeing call's (exact for a model graph and its loss graph;
-    over by them at the backwards of calls in between)."""
-    released = [0] * len(costs) if released is None or len(released) != len(costs) else released
-    later = [0] * len(costs) if later is None or len(later) != len(costs) else later
+    over by them at the backwards of calls in between).
+
+    ``sharding`` (FSDP2, :class:`Sharding`): a call's gathered parameters are alive during its
+    forward and its backward; during a backward the next call's (in backward order) are being
+    gathered already (FSDP2's backward prefetch) and the previous call's gradients wait in their
+    reduce-scatter's input buffer; once reduce-scattered, a call's gradients of gathered parameters
+    stay as one ``world``-th of their bytes (the rank's shard), not whole."""
+    n = len(costs)
+    released = [0] * n if released is None or len(released) != n else released
+    later = [0] * n if later is None or len(later) != n else later
+    gathered = [0] * n if sharding is None or len(sharding.gathered) != n else list(sharding.gathered)
+    world = 1 if sharding is None else max(sharding.world, 1)
+    scattered = [min(c.grads, g) for c, g in zip(costs, gathered)]  # gradients reduce-scattered after the backward
     at: List[int] = []
     best = (0, 0, "forward")
     base = 0
     for i, c in enumerate(costs):
-        at.append(base + c.forward)
+        at.append(base + c.forward + gathered[i])
         if at[-1] > best[0]:
             best = (at[-1], i, "forward")
         base += c.saved + c.held
     base -= sum(released)
     grads = 0
-    for i in reversed(range(len(costs))):
+    for i in reversed(range(n)):
         c = costs[i]
         base -= c.saved + c.held - released[i]
-        at.append(base + grads + c.backward - released[i] - later[i])
+        prefetched = next((gathered[j] for j in range(i - 1, -1, -1) if gathered[j]), 0) if gathered[i] else 0
+        waiting = next((scattered[j] for j in range(i + 1, n) if gathered[j]), 0) if gathered[i] else 0
+        at.append(base + grads + c.backward - released[i] - later[i] + gathered[i] + prefetched + waiting)
         if at[-1] > best[0]:
             best = (at[-1], i, "backward")
-        grads += c.grads
+        grads += c.grads - scattered[i] + scattered[i] // world
     return StepPeak(best[0], best[1], best[2], tuple(at))
 
 
@@ -289,7 +312,8 @@ class CallIO:
     later call read each as an input, and which storages were still alive when the step's backward
     began. Weak references only: it keeps nothing alive."""
 
-    __slots__ = ("outputs", "storage_of", "expired", "sizes", "consumers", "alive", "alive_at_own", "nargs")
+    __slots__ = ("outputs", "storage_of", "expired", "sizes", "consumers", "alive", "alive_at_own", "nargs",
+                 "params", "regathered")
 
     def __init__(self, out, args):
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -315,6 +339,31 @@ class CallIO:
         self.alive: Optional[List[bool]] = None  # per storage, when the backward began
         self.alive_at_own: Optional[List[bool]] = None  # per storage, when this call's backward began
         self.nargs = len(args)
+        # the parameters it was given (leaves that need a gradient), a storage each, with their bytes
+        self.params: List[Tuple[Callable, int]] = []
+        seen = set()
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None:
+                key = storage_key(a)
+                nbytes = int(a.untyped_storage().nbytes()) if key is not None else 0
+                if nbytes and key not in seen:
+                    seen.add(key)
+                    self.params.append((weakref.ref(a), nbytes))
+        self.regathered: Optional[int] = None  # bytes of them seen freed before its backward began
+
+    def freed_params(self) -> int:
+        """Bytes of its parameters whose storage is freed now (FSDP2 resharded them)."""
+        total = 0
+        for ref, nbytes in self.params:
+            t = ref()
+            if t is not None and t.untyped_storage().nbytes() == 0:
+                total += nbytes
+        return total
+
+    def gathered(self) -> int:
+        """Bytes of its parameters that were freed after its forward, to be gathered again for its
+        backward: as seen just before its backward began, or now while that is still to come."""
+        return self.regathered if self.regathered is not None else self.freed_params()
 
     def live(self) -> List[bool]:
         """Per output storage, whether it is alive now."""
@@ -373,6 +422,42 @@ class _Pending:
             self.io.alive_at_own = self.io.live()
 
 
+class _Regathered:
+    """A gradient hook on one call's outputs: notes which of its parameters are freed when its
+    backward begins (CallIO.regathered)."""
+
+    __slots__ = ("io",)
+
+    def __init__(self, io: "CallIO"):
+        self.io = io
+
+    def __call__(self, _grad):
+        if self.io.regathered is None:
+            self.io.regathered = self.io.freed_params()
+
+
+def _distributed() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - a torch built without distributed
+        return False
+    return dist.is_available() and dist.is_initialized()
+
+
+def sharding_of(ios: Optional[Sequence[Optional[CallIO]]]) -> Optional[Sharding]:
+    """The step's :class:`Sharding` from its calls' run-time records, or None where no call's
+    parameters were freed between its forward and its backward (no sharding engine: DDP, one
+    process) or the record is missing."""
+    if not ios or any(io is None for io in ios) or not _distributed():
+        return None
+    gathered = tuple(io.gathered() for io in ios)
+    if not any(gathered):
+        return None
+    import torch.distributed as dist
+
+    return Sharding(gathered, dist.get_world_size())
+
+
 def _graph_node(out):
     """The autograd node of a compiled graph's outputs (past views of them), or None."""
     for t in pytree.tree_leaves(out):
@@ -424,6 +509,12 @@ class _Step:
         io = CallIO(out, args)
         pending = _Pending(io)
         node.register_prehook(pending)
+        if io.params and _distributed():
+            # which parameters a sharding engine freed after the forward: looked at when the first
+            # gradient of the outputs arrives, before FSDP2's own hook on them (registered after
+            # this one, when the module's forward returns) gathers them again
+            outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            torch.autograd.graph.register_multi_grad_hook(outputs, _Regathered(io), mode="any")
         for m, a in enumerate(args):  # which earlier call's output each input is (by identity)
             found = self.made.get(id(a))
             if found is not None and found[2]() is a and found[0].storage_of[found[1]] is not None:
@@ -486,22 +577,26 @@ def backward_limit(plan: Plan) -> Optional[int]:
     apart frees the logits and their gradient before the model's backward runs, and its own
     backward, holding both, is the step's peak (a 12-layer GPT-2 at budget 0, hidden 128, on this
     CPU: 77 of the model graph's 122 reruns bring its backward under the loss graph's in the step's
-    estimate; the other 45 copied 1,469 nodes). None when the step is not known (no backward
-    began, no run-time record of it), with a whole-step peak_budget (its plans are the step's), and
-    under a process group of two ranks or more: the estimate does not count what FSDP and DDP add
-    to a backward (unsharded parameters and their gradients before the reduce-scatter, gradient
-    buckets), so another phase's estimate is no bound there (measured, FSDP2 on 2 CPU ranks at
-    budget 0, benchmarks/distributed.py: 6.93 MiB per rank with the reruns dropped, 6.18 with all
-    of them, at 0.97x and 1.96x PyTorch's time)."""
+    estimate; the other 45 copied 1,469 nodes). Under FSDP2 the step's estimate counts the
+    parameters it gathers and the gradients it reduce-scatters (:class:`Sharding`). None when the
+    step is not known (no backward began, no run-time record of it), with a whole-step peak_budget
+    (its plans are the step's), and under a process group of two ranks or more with no sharded
+    parameters (DDP): what DDP adds to a backward (its gradient buckets) is not modelled nor
+    measured here, so the other phases' estimates are no bound there. (Before the sharding was
+    modelled, FSDP2 on 2 CPU ranks at budget 0, benchmarks/distributed.py, measured 6.93 MiB per
+    rank with reruns dropped against the 6.18 of all of them.)"""
     from remat_fx.ranks import _group
 
-    if not STEP.backward_began or _group() is not None:
+    if not STEP.backward_began:
         return None
     calls = STEP.last
     mine = [i for i, g in enumerate(calls) if g.plan is plan]
     if not mine or any(g.plan is None or g.options.step_peak is not None for g in calls):
         return None
     ios = STEP.io_of(calls)
+    sharding = sharding_of(ios)
+    if _group() is not None and sharding is None:
+        return None
     costs = [g.cost for g in calls]
     found = released_bytes(calls, ios, lambda g: g.plan)
     if found is None:
@@ -510,15 +605,15 @@ def backward_limit(plan: Plan) -> Optional[int]:
     for j, io in enumerate(ios):
         if j not in mine and io.alive_at_own is None:  # its backward is still to come
             later[j] = costs[j].held - released[j]
-    return limit_for(costs, mine, released, later)
+    return limit_for(costs, mine, released, later, sharding)
 
 
 def limit_for(costs: Sequence[CallCost], mine: Sequence[int], released: Optional[Sequence[int]] = None,
-              later: Optional[Sequence[int]] = None) -> int:
+              later: Optional[Sequence[int]] = None, sharding: Optional[Sharding] = None) -> int:
     """The highest ``backward`` (a :class:`CallCost` field) the calls ``mine`` (of one graph) may
     have without raising the estimated peak of the step ``costs`` (:func:`step_peak`, with its
-    ``released`` and ``later``) above its highest point at any other forward or backward."""
-    at = step_peak(costs, released, later).at
+    ``released``, ``later`` and ``sharding``) above its highest point at any other forward or backward."""
+    at = step_peak(costs, released, later, sharding).at
     n = len(costs)
     backward = {i: n + (n - 1 - i) for i in mine}  # the backwards follow the forwards, in reverse
     others = max(a for j, a in enumerate(at) if j not in backward.values())  # the forwards at least
@@ -643,7 +738,7 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
         plan_step(calls, fraction=opts.step_peak.fraction, saved_limit=saved_limit)
         return
     over = any(g.over for g in calls)
-    if limit is not None and step_peak([g.cost for g in calls], *_released(calls)).peak > limit:
+    if limit is not None and step_peak([g.cost for g in calls], *_released(calls), _sharding(calls)).peak > limit:
         over = True
     if saved_limit is not None and sum(g.plan.total_bytes for g in calls) > saved_limit:
         over = True
@@ -695,7 +790,7 @@ def estimate_curve(calls: Sequence[CompiledGraph], fractions: Optional[Sequence]
         for g in graphs:
             plan = plans[g] = g.estimate(shared_options(g.options, f))
             costs[g], saved[g] = call_cost(plan, g.grads), plan.total_bytes
-        curve[f] = (step_peak([costs[g] for g in calls], *_released(calls, plans.__getitem__)).peak,
+        curve[f] = (step_peak([costs[g] for g in calls], *_released(calls, plans.__getitem__), _sharding(calls)).peak,
                     sum(saved[g] for g in calls))
         log.info("remat_fx: step of %d calls of %d graphs, shared memory_budget %s: estimated peak %s, saved %s "
                  "(%.1f s)", len(calls), len(graphs), "-" if f is None else f"{f:g}", fmt_bytes(curve[f][0]),
@@ -767,6 +862,7 @@ class StepReport:
     released: Optional[List[int]] = None
     # per call, bytes of its held outputs freed during the later calls' backwards, before its own
     later: Optional[List[int]] = None
+    sharding: Optional[Sharding] = None  # FSDP2's gathered parameters per call (None: no sharding seen)
 
     @property
     def graphs(self) -> Dict[int, Plan]:
@@ -786,6 +882,9 @@ class StepReport:
                  + ("" if self.limit is None else f"; peak_budget {fmt_bytes(self.limit)}"),
                  f"  {'call':>4s} {'graph':>5s} {'saved':>12s} {'held':>12s} {'freed':>12s} {'freed later':>12s} {'fw peak':>12s} "
                  f"{'bw peak':>12s} {'grads':>12s} {'step at fw':>12s} {'step at bw':>12s}  budget"]
+        if self.sharding is not None:
+            lines.insert(1, f"  sharded parameters (FSDP2): gathered per call {', '.join(fmt_bytes(g) for g in self.sharding.gathered)}"
+                            f"; gradients reduce-scattered over {self.sharding.world} ranks")
         n = len(self.calls)
         for k, (i, plan, c) in enumerate(self.calls):
             budget = "-" if plan.budget is None else plan.budget.budget
@@ -804,8 +903,10 @@ def step_report() -> StepReport:
     costs = [g.cost for g in calls]
     limit = step_limit(calls[0].options) if calls and calls[0].options.step_peak not in (None, "auto") else None
     released, later = _released(calls)
+    sharding = _sharding(calls)
     return StepReport([(g.index, g.plan, c) for g, c in zip(calls, costs)],
-                      step_peak(costs, released, later) if calls else None, limit, released, later)
+                      step_peak(costs, released, later, sharding) if calls else None, limit, released, later,
+                      sharding)
 
 
 def _released(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[CompiledGraph], Plan]] = None):
@@ -813,3 +914,8 @@ def _released(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[Compil
     (before the backwards, during the later backwards), or (None, None)."""
     found = released_bytes(calls, STEP.io_of(calls), plan_of or (lambda g: g.plan))
     return (None, None) if found is None else found
+
+
+def _sharding(calls: Sequence[CompiledGraph]) -> Optional[Sharding]:
+    """The last step's :class:`Sharding` if ``calls`` are its calls, else None."""
+    return sharding_of(STEP.io_of(calls))

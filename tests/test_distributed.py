@@ -298,7 +298,9 @@ def _compiled_worker(rank, engine):
         results[f"whole model, {label}" if whole else label] = dict(
             err=grad_error(full_grads(model), want), plans=_plans(report), graphs=len(report.graphs),
             step_saved=report.saved_bytes, peak=report.peak.peak, held=held,
-            shortened=[p.rerun.shortened_from for p in report.graphs.values() if p.rerun is not None])
+            shortened=[p.rerun.shortened_from for p in report.graphs.values() if p.rerun is not None],
+            sharding=None if report.sharding is None else (report.sharding.gathered, report.sharding.world),
+            block_bytes=sum(p.numel() * p.element_size() for p in Net().blocks[0].parameters()))
     # a byte peak_budget halfway between the step's estimates at budget 0 and without a budget: the
     # step's first graphs take their share of it, and the second step plans the whole step again if
     # over. On 16 copies of the batch (the same gradients), so that activations, not the gradients,
@@ -416,8 +418,13 @@ def test_compiled_under_ddp_and_fsdp2(engine):
             if not isinstance(r, dict) or label in ("collective", "overlap"):
                 continue
             assert r["err"] < 1e-5, f"{where}, budget {label}: gradients off by {r['err']:.2e} (relative)"
-            # the estimate does not count FSDP's and DDP's own memory in a backward: every rerun is kept
-            assert not any(r.get("shortened", ())), f"{where}, budget {label}: reruns dropped: {r['shortened']}"
+            if "sharding" in r:
+                if engine == "ddp":  # what DDP adds to a backward is not modelled: every rerun is kept
+                    assert not any(r["shortened"]), f"{where}, budget {label}: reruns dropped: {r['shortened']}"
+                    assert r["sharding"] is None, f"{where}, budget {label}: {r['sharding']}"
+                else:  # FSDP2 gathers each block's parameters for its forward and again for its backward
+                    assert r["sharding"] == ((r["block_bytes"],) * 3, 2), \
+                        f"{where}, budget {label}: sharding {r['sharding']}, a block's parameters {r['block_bytes']} B"
             plans = r["plans"]
             # DDP: one call per graph (DDPOptimizer's split); FSDP: one call per block, one graph reused
             assert len(plans) == (r["graphs"] if engine == "ddp" else 3), f"{where}: {plans}"

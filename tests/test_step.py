@@ -12,7 +12,7 @@ import torch
 import remat_fx as remat
 from remat_fx.measure import step_peak_bytes
 from remat_fx.passes.peak import PeakInfeasible
-from remat_fx.step import STEP, CallCost, limit_for, step_peak
+from remat_fx.step import STEP, CallCost, Sharding, limit_for, step_peak
 
 MODEL = '''
 import torch
@@ -136,6 +136,32 @@ def test_a_graph_called_twice_has_one_limit_for_both_backwards():
 
     assert both(limit).peak == 303  # the head's backward, reached again by the last call's
     assert (both(limit + 1).peak, both(limit + 1).call) == (304, 2)
+
+
+def test_fsdp2_gathered_parameters_and_scattered_gradients_in_the_step_estimate():
+    """Under FSDP2 (Sharding): each call's gathered parameters are alive in its forward and its
+    backward; in a backward the next call's are prefetched and the previous call's gradients wait in
+    their reduce-scatter's input; reduce-scattered gradients stay as one world-th."""
+    c = CallCost(saved=10, held=0, forward=20, backward=30, grads=8)
+    # one process: forwards 20, 10+20, 20+20; backwards 20+0+30, 10+8+30, 0+16+30
+    assert step_peak([c, c, c]).at == (20, 30, 40, 50, 48, 46)
+    sharded = Sharding(gathered=(8, 8, 8), world=2)
+    # forwards +8 each; backwards: call 2: 20 + 30 + 8 own + 8 prefetched (call 1's), nothing to wait on;
+    # call 1: 10 + 4 (call 2's shard) + 30 + 8 + 8 prefetched + 8 waiting (call 2's gradients);
+    # call 0: 0 + 8 (two shards) + 30 + 8, none to prefetch, 8 waiting
+    got = step_peak([c, c, c], sharding=sharded)
+    assert got.at == (28, 38, 48, 66, 68, 54)
+    assert (got.peak, got.call, got.phase) == (68, 1, "backward")
+    # a call whose parameters are not sharded (gathered 0) adds nothing and keeps its gradients whole;
+    # the sharded calls around it prefetch and wait on each other across it
+    assert step_peak([c, c, c], sharding=Sharding(gathered=(8, 0, 8), world=2)).at == (28, 30, 48, 66, 44, 58)
+    # the limit of call 2's backward: up to the step's peak at call 1's, not one byte more
+    limit = limit_for([c, c, c], [2], sharding=sharded)
+    assert limit == 68 - (66 - 30)
+    for backward, peak in ((limit, 68), (limit + 1, 69)):
+        assert step_peak([c, c, dataclasses.replace(c, backward=backward)], sharding=sharded).peak == peak
+    # seen without the sharding, call 2's backward is the step's peak and may not rise at all
+    assert limit_for([c, c, c], [2]) == 48 - 20
 
 
 def test_step_report_lists_every_call_and_estimates_the_whole_step():
