@@ -79,6 +79,9 @@ class Sharding:
 
     gathered: Tuple[int, ...]
     world: int
+    # every call's parameters were all freed after its forward (none kept unsharded through the step,
+    # as reshard_after_forward=False and the root module keep theirs: those the model does not count)
+    complete: bool = True
 
 
 @dataclass(frozen=True)
@@ -455,7 +458,8 @@ def sharding_of(ios: Optional[Sequence[Optional[CallIO]]]) -> Optional[Sharding]
         return None
     import torch.distributed as dist
 
-    return Sharding(gathered, dist.get_world_size())
+    complete = all(g == sum(nbytes for _, nbytes in io.params) for g, io in zip(gathered, ios))
+    return Sharding(gathered, dist.get_world_size(), complete)
 
 
 def _graph_node(out):
@@ -581,8 +585,11 @@ def backward_limit(plan: Plan) -> Optional[int]:
     parameters it gathers and the gradients it reduce-scatters (:class:`Sharding`). None when the
     step is not known (no backward began, no run-time record of it), with a whole-step peak_budget
     (its plans are the step's), and under a process group of two ranks or more with no sharded
-    parameters (DDP): what DDP adds to a backward (its gradient buckets) is not modelled nor
-    measured here, so the other phases' estimates are no bound there. (Before the sharding was
+    parameters (DDP: what it adds to a backward, its gradient buckets, is not modelled nor measured
+    here, so the other phases' estimates are no bound there) or with parameters some graph reads
+    unsharded through the step (``reshard_after_forward=False``; the root module's, where the
+    whole model is compiled): those are freed after their block's backward, a different amount at
+    each backward, which the model does not count. (Before the sharding was
     modelled, FSDP2 on 2 CPU ranks at budget 0, benchmarks/distributed.py, measured 6.93 MiB per
     rank with reruns dropped against the 6.18 of all of them.)"""
     from remat_fx.ranks import _group
@@ -595,7 +602,7 @@ def backward_limit(plan: Plan) -> Optional[int]:
         return None
     ios = STEP.io_of(calls)
     sharding = sharding_of(ios)
-    if _group() is not None and sharding is None:
+    if _group() is not None and (sharding is None or not sharding.complete):
         return None
     costs = [g.cost for g in calls]
     found = released_bytes(calls, ios, lambda g: g.plan)
@@ -884,7 +891,9 @@ class StepReport:
                  f"{'bw peak':>12s} {'grads':>12s} {'step at fw':>12s} {'step at bw':>12s}  budget"]
         if self.sharding is not None:
             lines.insert(1, f"  sharded parameters (FSDP2): gathered per call {', '.join(fmt_bytes(g) for g in self.sharding.gathered)}"
-                            f"; gradients reduce-scattered over {self.sharding.world} ranks")
+                            f"; gradients reduce-scattered over {self.sharding.world} ranks"
+                            + ("" if self.sharding.complete else "; some parameters read unsharded through the step "
+                               "(reshard_after_forward=False) are not counted"))
         n = len(self.calls)
         for k, (i, plan, c) in enumerate(self.calls):
             budget = "-" if plan.budget is None else plan.budget.budget

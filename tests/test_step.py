@@ -164,6 +164,32 @@ def test_fsdp2_gathered_parameters_and_scattered_gradients_in_the_step_estimate(
     assert limit_for([c, c, c], [2]) == 48 - 20
 
 
+def test_sharding_is_seen_from_parameters_freed_between_forward_and_backward():
+    """sharding_of: a call's parameters (leaves needing a gradient, not its activations) whose
+    storage is freed after its forward, as FSDP2 frees them when it reshards; complete only where
+    every call's parameters all are (a module kept unsharded, reshard_after_forward=False, is not)."""
+    import torch.distributed as dist
+
+    from remat_fx.step import CallIO, sharding_of
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        a, b = torch.nn.Parameter(torch.zeros(256)), torch.nn.Parameter(torch.zeros(128))
+        x = torch.zeros(4, requires_grad=True) * 2  # an activation
+        ios = [CallIO(torch.zeros(3), [x, a]), CallIO(torch.zeros(3), [x, b]), CallIO(torch.zeros(3), [x])]
+        assert sharding_of(ios) is None  # nothing freed: no sharding (DDP, one process)
+        a.untyped_storage().resize_(0)  # FSDP2 reshards the first block after its forward
+        assert sharding_of(ios) == Sharding((1024, 0, 0), 1, complete=False)  # the second block's kept
+        b.untyped_storage().resize_(0)
+        assert sharding_of(ios) == Sharding((1024, 512, 0), 1, complete=True)
+        # gathered again for its backward: what the hook saw just before it counts
+        ios[0].regathered = ios[0].freed_params()
+        a.untyped_storage().resize_(1024)
+        assert sharding_of(ios) == Sharding((1024, 512, 0), 1, complete=True)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_step_report_lists_every_call_and_estimates_the_whole_step():
     model, step = make({"lower": "eager"})
     measured = _measure(step)
