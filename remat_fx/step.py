@@ -79,9 +79,17 @@ class Sharding:
 
     gathered: Tuple[int, ...]
     world: int
-    # every call's parameters were all freed after its forward (none kept unsharded through the step,
-    # as reshard_after_forward=False and the root module keep theirs: those the model does not count)
+    # every call's parameters were all freed after its forward, each before the next call began (none
+    # kept unsharded through the step, as reshard_after_forward=False and the root module keep theirs,
+    # and no FSDP unit split over several graphs): the model counts nothing else
     complete: bool = True
+    # FSDP2's schedule (torch 2.13's source; measured by phase with gloo): its communication buffers
+    # alive (a block's all-gather output through its forward, the next block's prefetched in a
+    # backward, the previous block's gradients in their reduce-scatter's input), and the gradients
+    # reduce-scattered after each backward (False: accumulated whole, as without gradient sync;
+    # backward_limit takes the lesser limit of the two)
+    buffers: bool = True
+    scatter: bool = True
 
 
 @dataclass(frozen=True)
@@ -103,21 +111,25 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
     over by them at the backwards of calls in between).
 
     ``sharding`` (FSDP2, :class:`Sharding`): a call's gathered parameters are alive during its
-    forward and its backward; during a backward the next call's (in backward order) are being
-    gathered already (FSDP2's backward prefetch) and the previous call's gradients wait in their
-    reduce-scatter's input buffer; once reduce-scattered, a call's gradients of gathered parameters
-    stay as one ``world``-th of their bytes (the rank's shard), not whole."""
+    forward and its backward. With ``sharding.buffers``, over more than one rank a call's forward
+    also holds its all-gather's output; during any backward below a sharded call the next sharded
+    call's parameters (in backward order) are being gathered already (FSDP2's backward prefetch)
+    and the previous sharded call's gradients wait in their reduce-scatter's input. With
+    ``sharding.scatter``, once reduce-scattered a call's gradients of gathered parameters stay as
+    one ``world``-th of their bytes (the rank's shard), not whole."""
     n = len(costs)
     released = [0] * n if released is None or len(released) != n else released
     later = [0] * n if later is None or len(later) != n else later
     gathered = [0] * n if sharding is None or len(sharding.gathered) != n else list(sharding.gathered)
-    world = 1 if sharding is None else max(sharding.world, 1)
+    world = 1 if sharding is None or not sharding.scatter else max(sharding.world, 1)
+    buffers = sharding is not None and sharding.buffers
     scattered = [min(c.grads, g) for c, g in zip(costs, gathered)]  # gradients reduce-scattered after the backward
     at: List[int] = []
     best = (0, 0, "forward")
     base = 0
     for i, c in enumerate(costs):
-        at.append(base + c.forward + gathered[i])
+        output = gathered[i] if buffers and sharding.world > 1 else 0  # the all-gather's output
+        at.append(base + c.forward + gathered[i] + output)
         if at[-1] > best[0]:
             best = (at[-1], i, "forward")
         base += c.saved + c.held
@@ -126,8 +138,10 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
     for i in reversed(range(n)):
         c = costs[i]
         base -= c.saved + c.held - released[i]
-        prefetched = next((gathered[j] for j in range(i - 1, -1, -1) if gathered[j]), 0) if gathered[i] else 0
-        waiting = next((scattered[j] for j in range(i + 1, n) if gathered[j]), 0) if gathered[i] else 0
+        prefetched = waiting = 0
+        if buffers and any(gathered[i:]):  # below a sharded call (or one itself) in backward order
+            prefetched = next((gathered[j] for j in range(i - 1, -1, -1) if gathered[j]), 0)
+            waiting = next((scattered[j] for j in range(i + 1, n) if gathered[j]), 0)
         at.append(base + grads + c.backward - released[i] - later[i] + gathered[i] + prefetched + waiting)
         if at[-1] > best[0]:
             best = (at[-1], i, "backward")
@@ -316,7 +330,7 @@ class CallIO:
     began. Weak references only: it keeps nothing alive."""
 
     __slots__ = ("outputs", "storage_of", "expired", "sizes", "consumers", "alive", "alive_at_own", "nargs",
-                 "params", "regathered")
+                 "params", "regathered", "world", "kept_into_next")
 
     def __init__(self, out, args):
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -353,6 +367,12 @@ class CallIO:
                     seen.add(key)
                     self.params.append((weakref.ref(a), nbytes))
         self.regathered: Optional[int] = None  # bytes of them seen freed before its backward began
+        self.world = 0  # ranks of the process group it ran under (0: none)
+        self.kept_into_next = False  # some of them still unfreed once the next call's forward ran
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.params)
 
     def freed_params(self) -> int:
         """Bytes of its parameters whose storage is freed now (FSDP2 resharded them)."""
@@ -450,16 +470,14 @@ def _distributed() -> bool:
 def sharding_of(ios: Optional[Sequence[Optional[CallIO]]]) -> Optional[Sharding]:
     """The step's :class:`Sharding` from its calls' run-time records, or None where no call's
     parameters were freed between its forward and its backward (no sharding engine: DDP, one
-    process) or the record is missing."""
-    if not ios or any(io is None for io in ios) or not _distributed():
+    process), or the calls ran under no process group, or the record is missing."""
+    if not ios or any(io is None for io in ios) or not all(io.world for io in ios):
         return None
     gathered = tuple(io.gathered() for io in ios)
     if not any(gathered):
         return None
-    import torch.distributed as dist
-
-    complete = all(g == sum(nbytes for _, nbytes in io.params) for g, io in zip(gathered, ios))
-    return Sharding(gathered, dist.get_world_size(), complete)
+    complete = all(g == io.param_bytes and not (g and io.kept_into_next) for g, io in zip(gathered, ios))
+    return Sharding(gathered, max(io.world for io in ios), complete)
 
 
 def _graph_node(out):
@@ -513,12 +531,20 @@ class _Step:
         io = CallIO(out, args)
         pending = _Pending(io)
         node.register_prehook(pending)
-        if io.params and _distributed():
-            # which parameters a sharding engine freed after the forward: looked at when the first
-            # gradient of the outputs arrives, before FSDP2's own hook on them (registered after
-            # this one, when the module's forward returns) gathers them again
-            outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-            torch.autograd.graph.register_multi_grad_hook(outputs, _Regathered(io), mode="any")
+        if _distributed():
+            import torch.distributed as dist
+
+            io.world = dist.get_world_size()
+            previous = self.calls[-1][2] if self.calls else None
+            if previous is not None and previous.params and previous.freed_params() < previous.param_bytes:
+                previous.kept_into_next = True  # not freed between the two: one FSDP unit, or kept unsharded
+            outputs = [t for t in pytree.tree_leaves(out)
+                       if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+            if io.params and outputs:
+                # which parameters a sharding engine freed after the forward: looked at when the first
+                # gradient of the outputs arrives, before FSDP2's own hook on them (registered after
+                # this one, when the module's forward returns) gathers them again
+                torch.autograd.graph.register_multi_grad_hook(outputs, _Regathered(io), mode="any")
         for m, a in enumerate(args):  # which earlier call's output each input is (by identity)
             found = self.made.get(id(a))
             if found is not None and found[2]() is a and found[0].storage_of[found[1]] is not None:
@@ -602,7 +628,7 @@ def backward_limit(plan: Plan) -> Optional[int]:
         return None
     ios = STEP.io_of(calls)
     sharding = sharding_of(ios)
-    if _group() is not None and (sharding is None or not sharding.complete):
+    if (_group() is not None and sharding is None) or (sharding is not None and not sharding.complete):
         return None
     costs = [g.cost for g in calls]
     found = released_bytes(calls, ios, lambda g: g.plan)
@@ -612,7 +638,12 @@ def backward_limit(plan: Plan) -> Optional[int]:
     for j, io in enumerate(ios):
         if j not in mine and io.alive_at_own is None:  # its backward is still to come
             later[j] = costs[j].held - released[j]
-    return limit_for(costs, mine, released, later, sharding)
+    if sharding is None:
+        return limit_for(costs, mine, released, later)
+    # the lesser of the limits with the gradients reduce-scattered and accumulated whole: the same
+    # backward serves the steps of a gradient accumulation without sync (set_requires_gradient_sync(False)),
+    # where FSDP2 keeps them whole (under a mixed-precision reduce dtype out of sight of the graphs)
+    return min(limit_for(costs, mine, released, later, dataclasses.replace(sharding, scatter=g)) for g in (True, False))
 
 
 def limit_for(costs: Sequence[CallCost], mine: Sequence[int], released: Optional[Sequence[int]] = None,

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat_fx as remat
+from remat_fx import step as remat_step
 from tests.distributed import WORLD, run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -299,7 +300,10 @@ def _compiled_worker(rank, engine):
             err=grad_error(full_grads(model), want), plans=_plans(report), graphs=len(report.graphs),
             step_saved=report.saved_bytes, peak=report.peak.peak, held=held,
             shortened=[p.rerun.shortened_from for p in report.graphs.values() if p.rerun is not None],
-            sharding=None if report.sharding is None else (report.sharding.gathered, report.sharding.world),
+            sharding=None if report.sharding is None else (report.sharding.gathered, report.sharding.world,
+                                                           report.sharding.complete),
+            # what the gradient hook saw before each call's backward (None: it did not run)
+            regathered=[io.regathered for io in remat_step.STEP.last_io],
             block_bytes=sum(p.numel() * p.element_size() for p in Net().blocks[0].parameters()))
     # a byte peak_budget halfway between the step's estimates at budget 0 and without a budget: the
     # step's first graphs take their share of it, and the second step plans the whole step again if
@@ -423,8 +427,10 @@ def test_compiled_under_ddp_and_fsdp2(engine):
                     assert not any(r["shortened"]), f"{where}, budget {label}: reruns dropped: {r['shortened']}"
                     assert r["sharding"] is None, f"{where}, budget {label}: {r['sharding']}"
                 else:  # FSDP2 gathers each block's parameters for its forward and again for its backward
-                    assert r["sharding"] == ((r["block_bytes"],) * 3, 2), \
+                    assert r["sharding"] == ((r["block_bytes"],) * 3, 2, True), \
                         f"{where}, budget {label}: sharding {r['sharding']}, a block's parameters {r['block_bytes']} B"
+                    # seen freed by the hook on each call's outputs, before FSDP's own gathered them again
+                    assert r["regathered"] == [r["block_bytes"]] * 3, f"{where}, budget {label}: {r['regathered']}"
             plans = r["plans"]
             # DDP: one call per graph (DDPOptimizer's split); FSDP: one call per block, one graph reused
             assert len(plans) == (r["graphs"] if engine == "ddp" else 3), f"{where}: {plans}"

@@ -140,21 +140,25 @@ def test_a_graph_called_twice_has_one_limit_for_both_backwards():
 
 def test_fsdp2_gathered_parameters_and_scattered_gradients_in_the_step_estimate():
     """Under FSDP2 (Sharding): each call's gathered parameters are alive in its forward and its
-    backward; in a backward the next call's are prefetched and the previous call's gradients wait in
-    their reduce-scatter's input; reduce-scattered gradients stay as one world-th."""
+    backward, and its all-gather's output in its forward; in a backward the next call's are
+    prefetched and the previous call's gradients wait in their reduce-scatter's input;
+    reduce-scattered gradients stay as one world-th."""
     c = CallCost(saved=10, held=0, forward=20, backward=30, grads=8)
     # one process: forwards 20, 10+20, 20+20; backwards 20+0+30, 10+8+30, 0+16+30
     assert step_peak([c, c, c]).at == (20, 30, 40, 50, 48, 46)
     sharded = Sharding(gathered=(8, 8, 8), world=2)
-    # forwards +8 each; backwards: call 2: 20 + 30 + 8 own + 8 prefetched (call 1's), nothing to wait on;
-    # call 1: 10 + 4 (call 2's shard) + 30 + 8 + 8 prefetched + 8 waiting (call 2's gradients);
-    # call 0: 0 + 8 (two shards) + 30 + 8, none to prefetch, 8 waiting
+    # forwards +8 gathered +8 the all-gather's output; backwards: call 2: 20 + 30 + 8 own + 8 prefetched
+    # (call 1's), nothing to wait on; call 1: 10 + 4 (call 2's shard) + 30 + 8 + 8 prefetched + 8 waiting
+    # (call 2's gradients); call 0: 0 + 8 (two shards) + 30 + 8, none to prefetch, 8 waiting
     got = step_peak([c, c, c], sharding=sharded)
-    assert got.at == (28, 38, 48, 66, 68, 54)
+    assert got.at == (36, 46, 56, 66, 68, 54)
     assert (got.peak, got.call, got.phase) == (68, 1, "backward")
-    # a call whose parameters are not sharded (gathered 0) adds nothing and keeps its gradients whole;
-    # the sharded calls around it prefetch and wait on each other across it
-    assert step_peak([c, c, c], sharding=Sharding(gathered=(8, 0, 8), world=2)).at == (28, 30, 48, 66, 44, 58)
+    # the buffers already freed; the gradients kept whole (accumulated without a reduce-scatter)
+    assert step_peak([c, c, c], sharding=dataclasses.replace(sharded, buffers=False)).at == (28, 38, 48, 58, 52, 46)
+    assert step_peak([c, c, c], sharding=dataclasses.replace(sharded, scatter=False)).at == (36, 46, 56, 66, 72, 62)
+    # a call whose parameters are not sharded (gathered 0) adds none of its own and keeps its
+    # gradients whole; in its backward the sharded calls around it prefetch and wait all the same
+    assert step_peak([c, c, c], sharding=Sharding(gathered=(8, 0, 8), world=2)).at == (36, 30, 56, 66, 60, 58)
     # the limit of call 2's backward: up to the step's peak at call 1's, not one byte more
     limit = limit_for([c, c, c], [2], sharding=sharded)
     assert limit == 68 - (66 - 30)
@@ -167,27 +171,27 @@ def test_fsdp2_gathered_parameters_and_scattered_gradients_in_the_step_estimate(
 def test_sharding_is_seen_from_parameters_freed_between_forward_and_backward():
     """sharding_of: a call's parameters (leaves needing a gradient, not its activations) whose
     storage is freed after its forward, as FSDP2 frees them when it reshards; complete only where
-    every call's parameters all are (a module kept unsharded, reshard_after_forward=False, is not)."""
-    import torch.distributed as dist
-
+    every call's parameters all are, each before the next call ran (not a module kept unsharded,
+    reshard_after_forward=False, nor one FSDP unit over two graphs)."""
     from remat_fx.step import CallIO, sharding_of
 
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        a, b = torch.nn.Parameter(torch.zeros(256)), torch.nn.Parameter(torch.zeros(128))
-        x = torch.zeros(4, requires_grad=True) * 2  # an activation
-        ios = [CallIO(torch.zeros(3), [x, a]), CallIO(torch.zeros(3), [x, b]), CallIO(torch.zeros(3), [x])]
-        assert sharding_of(ios) is None  # nothing freed: no sharding (DDP, one process)
-        a.untyped_storage().resize_(0)  # FSDP2 reshards the first block after its forward
-        assert sharding_of(ios) == Sharding((1024, 0, 0), 1, complete=False)  # the second block's kept
-        b.untyped_storage().resize_(0)
-        assert sharding_of(ios) == Sharding((1024, 512, 0), 1, complete=True)
-        # gathered again for its backward: what the hook saw just before it counts
-        ios[0].regathered = ios[0].freed_params()
-        a.untyped_storage().resize_(1024)
-        assert sharding_of(ios) == Sharding((1024, 512, 0), 1, complete=True)
-    finally:
-        dist.destroy_process_group()
+    a, b = torch.nn.Parameter(torch.zeros(256)), torch.nn.Parameter(torch.zeros(128))
+    x = torch.zeros(4, requires_grad=True) * 2  # an activation
+    ios = [CallIO(torch.zeros(3), [x, a]), CallIO(torch.zeros(3), [x, b]), CallIO(torch.zeros(3), [x])]
+    assert sharding_of(ios) is None  # no process group
+    for io in ios:
+        io.world = 2  # as _Step.watch notes under a process group
+    assert sharding_of(ios) is None  # nothing freed: no sharding (DDP)
+    a.untyped_storage().resize_(0)  # FSDP2 reshards the first block after its forward
+    assert sharding_of(ios) == Sharding((1024, 0, 0), 2, complete=False)  # the second block's kept
+    b.untyped_storage().resize_(0)
+    assert sharding_of(ios) == Sharding((1024, 512, 0), 2, complete=True)
+    # gathered again for its backward: what the hook saw just before it counts
+    ios[0].regathered = ios[0].freed_params()
+    a.untyped_storage().resize_(1024)
+    assert sharding_of(ios) == Sharding((1024, 512, 0), 2, complete=True)
+    ios[0].kept_into_next = True  # still gathered after the second call's forward: one unit, two graphs
+    assert not sharding_of(ios).complete
 
 
 def test_step_report_lists_every_call_and_estimates_the_whole_step():
