@@ -332,7 +332,7 @@ class CallIO:
     __slots__ = ("outputs", "storage_of", "expired", "sizes", "consumers", "alive", "alive_at_own", "nargs",
                  "params", "regathered", "world", "kept_into_next")
 
-    def __init__(self, out, args):
+    def __init__(self, out, args, params: bool = False):
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         inputs = {storage_key(a) for a in args if isinstance(a, torch.Tensor)}
         self.outputs = [weakref.ref(t) for t in tensors]  # to know them as a later call's inputs
@@ -356,10 +356,11 @@ class CallIO:
         self.alive: Optional[List[bool]] = None  # per storage, when the backward began
         self.alive_at_own: Optional[List[bool]] = None  # per storage, when this call's backward began
         self.nargs = len(args)
-        # the parameters it was given (leaves that need a gradient), a storage each, with their bytes
+        # with ``params`` (under a process group): the parameters it was given (leaves that need a
+        # gradient), a storage each, with their bytes
         self.params: List[Tuple[Callable, int]] = []
         seen = set()
-        for a in args:
+        for a in args if params else ():
             if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None:
                 key = storage_key(a)
                 nbytes = int(a.untyped_storage().nbytes()) if key is not None else 0
@@ -528,10 +529,11 @@ class _Step:
         node = _graph_node(out)
         if node is None:
             return
-        io = CallIO(out, args)
+        distributed = _distributed()
+        io = CallIO(out, args, params=distributed)
         pending = _Pending(io)
         node.register_prehook(pending)
-        if _distributed():
+        if distributed:
             import torch.distributed as dist
 
             io.world = dist.get_world_size()
@@ -615,9 +617,9 @@ def backward_limit(plan: Plan) -> Optional[int]:
     here, so the other phases' estimates are no bound there) or with parameters some graph reads
     unsharded through the step (``reshard_after_forward=False``; the root module's, where the
     whole model is compiled): those are freed after their block's backward, a different amount at
-    each backward, which the model does not count. (Before the sharding was
-    modelled, FSDP2 on 2 CPU ranks at budget 0, benchmarks/distributed.py, measured 6.93 MiB per
-    rank with reruns dropped against the 6.18 of all of them.)"""
+    each backward, which the model does not count. (Before the sharding was modelled, FSDP2 on 2
+    CPU ranks at budget 0, benchmarks/distributed.py, measured 6.93 MiB per rank with reruns
+    dropped against the 6.18 of all of them.)"""
     from remat_fx.ranks import _group
 
     if not STEP.backward_began:
@@ -643,7 +645,8 @@ def backward_limit(plan: Plan) -> Optional[int]:
     # the lesser of the limits with the gradients reduce-scattered and accumulated whole: the same
     # backward serves the steps of a gradient accumulation without sync (set_requires_gradient_sync(False)),
     # where FSDP2 keeps them whole (under a mixed-precision reduce dtype out of sight of the graphs)
-    return min(limit_for(costs, mine, released, later, dataclasses.replace(sharding, scatter=g)) for g in (True, False))
+    return min(limit_for(costs, mine, released, later, dataclasses.replace(sharding, scatter=scatter))
+               for scatter in (True, False))
 
 
 def limit_for(costs: Sequence[CallCost], mine: Sequence[int], released: Optional[Sequence[int]] = None,
@@ -828,7 +831,8 @@ def estimate_curve(calls: Sequence[CompiledGraph], fractions: Optional[Sequence]
         for g in graphs:
             plan = plans[g] = g.estimate(shared_options(g.options, f))
             costs[g], saved[g] = call_cost(plan, g.grads), plan.total_bytes
-        curve[f] = (step_peak([costs[g] for g in calls], *_released(calls, plans.__getitem__), _sharding(calls)).peak,
+        curve[f] = (step_peak([costs[g] for g in calls], *_released(calls, plans.__getitem__),
+                              _sharding(calls)).peak,
                     sum(saved[g] for g in calls))
         log.info("remat_fx: step of %d calls of %d graphs, shared memory_budget %s: estimated peak %s, saved %s "
                  "(%.1f s)", len(calls), len(graphs), "-" if f is None else f"{f:g}", fmt_bytes(curve[f][0]),
@@ -921,7 +925,8 @@ class StepReport:
                  f"  {'call':>4s} {'graph':>5s} {'saved':>12s} {'held':>12s} {'freed':>12s} {'freed later':>12s} {'fw peak':>12s} "
                  f"{'bw peak':>12s} {'grads':>12s} {'step at fw':>12s} {'step at bw':>12s}  budget"]
         if self.sharding is not None:
-            lines.insert(1, f"  sharded parameters (FSDP2): gathered per call {', '.join(fmt_bytes(g) for g in self.sharding.gathered)}"
+            gathered = ", ".join(fmt_bytes(g) for g in self.sharding.gathered)
+            lines.insert(1, f"  sharded parameters (FSDP2): gathered per call {gathered}"
                             f"; gradients reduce-scattered over {self.sharding.world} ranks"
                             + ("" if self.sharding.complete else "; some parameters read unsharded through the step "
                                "(reshard_after_forward=False) are not counted"))

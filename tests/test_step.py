@@ -177,7 +177,7 @@ def test_sharding_is_seen_from_parameters_freed_between_forward_and_backward():
 
     a, b = torch.nn.Parameter(torch.zeros(256)), torch.nn.Parameter(torch.zeros(128))
     x = torch.zeros(4, requires_grad=True) * 2  # an activation
-    ios = [CallIO(torch.zeros(3), [x, a]), CallIO(torch.zeros(3), [x, b]), CallIO(torch.zeros(3), [x])]
+    ios = [CallIO(torch.zeros(3), args, params=True) for args in ([x, a], [x, b], [x])]
     assert sharding_of(ios) is None  # no process group
     for io in ios:
         io.world = 2  # as _Step.watch notes under a process group
