@@ -610,16 +610,19 @@ def backward_limit(plan: Plan) -> Optional[int]:
     backward, holding both, is the step's peak (a 12-layer GPT-2 at budget 0, hidden 128, on this
     CPU: 77 of the model graph's 122 reruns bring its backward under the loss graph's in the step's
     estimate; the other 45 copied 1,469 nodes). Under FSDP2 the step's estimate counts the
-    parameters it gathers and the gradients it reduce-scatters (:class:`Sharding`). None when the
-    step is not known (no backward began, no run-time record of it), with a whole-step peak_budget
-    (its plans are the step's), and under a process group of two ranks or more with no sharded
-    parameters (DDP: what it adds to a backward, its gradient buckets, is not modelled nor measured
-    here, so the other phases' estimates are no bound there) or with parameters some graph reads
-    unsharded through the step (``reshard_after_forward=False``; the root module's, where the
-    whole model is compiled): those are freed after their block's backward, a different amount at
-    each backward, which the model does not count. (Before the sharding was modelled, FSDP2 on 2
-    CPU ranks at budget 0, benchmarks/distributed.py, measured 6.93 MiB per rank with reruns
-    dropped against the 6.18 of all of them.)"""
+    parameters it gathers and the gradients it reduce-scatters (:class:`Sharding`). The limit is
+    the least over where the parameter gradients come from (made by the step, whole or
+    reduce-scattered, or there before it). None when the step is not known (no backward began, no
+    run-time record of it), with a whole-step peak_budget (its plans are the step's), under a
+    process group of two ranks or more without FSDP2's sharded parameters (DDP: measured on 2 CPU
+    ranks at budget 0, the example GPT in 4 graphs, its estimate is the measured peak, 5.02 MiB, and
+    the limit keeps it there; but with ``gradient_as_bucket_view`` the limit measured 3.88 MiB against
+    3.75 with every rerun, a transient this estimate does not see), and with parameters some graph
+    reads unsharded through part of the step (``reshard_after_forward=False``; the root module's,
+    where the whole model is compiled under FSDP2): those are freed after their block's backward, a
+    different amount at each backward, which the model does not count. (Before the sharding was
+    modelled, FSDP2 on 2 CPU ranks at budget 0, benchmarks/distributed.py, measured 6.93 MiB per
+    rank with reruns dropped against the 6.18 of all of them.)"""
     from remat_fx.ranks import _group
 
     if not STEP.backward_began:
@@ -630,7 +633,7 @@ def backward_limit(plan: Plan) -> Optional[int]:
         return None
     ios = STEP.io_of(calls)
     sharding = sharding_of(ios)
-    if (_group() is not None and sharding is None) or (sharding is not None and not sharding.complete):
+    if (sharding is None and _group() is not None) or (sharding is not None and not sharding.complete):
         return None
     costs = [g.cost for g in calls]
     found = released_bytes(calls, ios, lambda g: g.plan)
@@ -640,13 +643,17 @@ def backward_limit(plan: Plan) -> Optional[int]:
     for j, io in enumerate(ios):
         if j not in mine and io.alive_at_own is None:  # its backward is still to come
             later[j] = costs[j].held - released[j]
-    if sharding is None:
-        return limit_for(costs, mine, released, later)
-    # the lesser of the limits with the gradients reduce-scattered and accumulated whole: the same
-    # backward serves the steps of a gradient accumulation without sync (set_requires_gradient_sync(False)),
-    # where FSDP2 keeps them whole (under a mixed-precision reduce dtype out of sight of the graphs)
-    return min(limit_for(costs, mine, released, later, dataclasses.replace(sharding, scatter=scatter))
-               for scatter in (True, False))
+    # the least of the limits with the parameter gradients made in the step (whole, or reduce-scattered
+    # under FSDP2) and already there before it: the same backward serves every step, and the gradients
+    # are allocated by the backward only where they were None (set_to_none); in a gradient
+    # accumulation's later steps they are there (and under DDP's gradient_as_bucket_view, where the
+    # limit counting them made measured 4.50 MiB per rank against 3.75 with every rerun); FSDP2
+    # without gradient sync keeps them whole
+    made = [limit_for(costs, mine, released, later, sharding)]
+    if sharding is not None:
+        made.append(limit_for(costs, mine, released, later, dataclasses.replace(sharding, scatter=False)))
+    there = [dataclasses.replace(c, grads=0) for c in costs]
+    return min(made + [limit_for(there, mine, released, later, sharding)])
 
 
 def limit_for(costs: Sequence[CallCost], mine: Sequence[int], released: Optional[Sequence[int]] = None,

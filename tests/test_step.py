@@ -166,6 +166,12 @@ def test_fsdp2_gathered_parameters_and_scattered_gradients_in_the_step_estimate(
         assert step_peak([c, c, dataclasses.replace(c, backward=backward)], sharding=sharded).peak == peak
     # seen without the sharding, call 2's backward is the step's peak and may not rise at all
     assert limit_for([c, c, c], [2]) == 48 - 20
+    # in a gradient accumulation's later steps the gradients are there before the step (accumulated
+    # in place, nothing reduce-scattered waits): backwards 66, 56, 38, so call 2's backward may rise
+    # less (backward_limit takes the least of these)
+    there = [dataclasses.replace(c, grads=0)] * 3
+    assert step_peak(there, sharding=sharded).at == (36, 46, 56, 66, 56, 38)
+    assert limit_for(there, [2], sharding=sharded) == 56 - (66 - 30) < limit
 
 
 def test_sharding_is_seen_from_parameters_freed_between_forward_and_backward():
