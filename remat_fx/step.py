@@ -83,12 +83,8 @@ class Sharding:
     # kept unsharded through the step, as reshard_after_forward=False and the root module keep theirs,
     # and no FSDP unit split over several graphs): the model counts nothing else
     complete: bool = True
-    # FSDP2's schedule (torch 2.13's source; measured by phase with gloo): its communication buffers
-    # alive (a block's all-gather output through its forward, the next block's prefetched in a
-    # backward, the previous block's gradients in their reduce-scatter's input), and the gradients
-    # reduce-scattered after each backward (False: accumulated whole, as without gradient sync;
+    # the gradients reduce-scattered after each backward (False: kept whole, as without gradient sync;
     # backward_limit takes the lesser limit of the two)
-    buffers: bool = True
     scatter: bool = True
 
 
@@ -110,25 +106,24 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
     at call i's backward, not at the freeing call's (exact for a model graph and its loss graph;
     over by them at the backwards of calls in between).
 
-    ``sharding`` (FSDP2, :class:`Sharding`): a call's gathered parameters are alive during its
-    forward and its backward. With ``sharding.buffers``, over more than one rank a call's forward
-    also holds its all-gather's output; during any backward below a sharded call the next sharded
-    call's parameters (in backward order) are being gathered already (FSDP2's backward prefetch)
-    and the previous sharded call's gradients wait in their reduce-scatter's input. With
-    ``sharding.scatter``, once reduce-scattered a call's gradients of gathered parameters stay as
-    one ``world``-th of their bytes (the rank's shard), not whole."""
+    ``sharding`` (FSDP2, :class:`Sharding`; its schedule after torch 2.13's source, measured by
+    phase with gloo): a call's gathered parameters are alive during its forward and its backward;
+    over more than one rank a call's forward also holds its all-gather's output; during any backward
+    below a sharded call the next sharded call's parameters (in backward order) are being gathered
+    already (FSDP2's backward prefetch) and the previous sharded call's gradients wait in their
+    reduce-scatter's input. With ``sharding.scatter``, once reduce-scattered a call's gradients of
+    gathered parameters stay as one ``world``-th of their bytes (the rank's shard), not whole."""
     n = len(costs)
     released = [0] * n if released is None or len(released) != n else released
     later = [0] * n if later is None or len(later) != n else later
     gathered = [0] * n if sharding is None or len(sharding.gathered) != n else list(sharding.gathered)
     world = 1 if sharding is None or not sharding.scatter else max(sharding.world, 1)
-    buffers = sharding is not None and sharding.buffers
     scattered = [min(c.grads, g) for c, g in zip(costs, gathered)]  # gradients reduce-scattered after the backward
     at: List[int] = []
     best = (0, 0, "forward")
     base = 0
     for i, c in enumerate(costs):
-        output = gathered[i] if buffers and sharding.world > 1 else 0  # the all-gather's output
+        output = gathered[i] if sharding is not None and sharding.world > 1 else 0  # the all-gather's output
         at.append(base + c.forward + gathered[i] + output)
         if at[-1] > best[0]:
             best = (at[-1], i, "forward")
@@ -139,7 +134,7 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
         c = costs[i]
         base -= c.saved + c.held - released[i]
         prefetched = waiting = 0
-        if buffers and any(gathered[i:]):  # below a sharded call (or one itself) in backward order
+        if any(gathered[i:]):  # below a sharded call (or one itself) in backward order
             prefetched = next((gathered[j] for j in range(i - 1, -1, -1) if gathered[j]), 0)
             waiting = next((scattered[j] for j in range(i + 1, n) if gathered[j]), 0)
         at.append(base + grads + c.backward - released[i] - later[i] + gathered[i] + prefetched + waiting)
