@@ -930,8 +930,9 @@ class StepReport:
             gathered = ", ".join(fmt_bytes(g) for g in self.sharding.gathered)
             lines.insert(1, f"  sharded parameters (FSDP2): gathered per call {gathered}"
                             f"; gradients reduce-scattered over {self.sharding.world} ranks"
-                            + ("" if self.sharding.complete else "; some parameters read unsharded through the step "
-                               "(reshard_after_forward=False) are not counted"))
+                            + ("" if self.sharding.complete else "; some parameters stayed gathered past their "
+                               "graph (reshard_after_forward=False, or one FSDP unit over several graphs): not "
+                               "counted, and every rerun kept"))
         n = len(self.calls)
         for k, (i, plan, c) in enumerate(self.calls):
             budget = "-" if plan.budget is None else plan.budget.budget
