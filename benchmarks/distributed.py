@@ -23,6 +23,16 @@ and of each round's remat / torch ratio at a budget, with that ratio's range ove
 round's steps share a compile, an allocator state and a thread placement, which move its times
 by more than the steps within it vary). Writes a markdown table to stdout (rank 0) and
 benchmarks/out/distributed.md.
+
+    torchrun --nproc_per_node 2 benchmarks/distributed.py --accumulation [--budgets 0]
+
+measures instead remat's step peak per rank in each kind of step a training loop runs, with the
+backwards' limits (remat_fx/step.py backward_limit) and with every rerun kept: the gradients made
+by the step (zero_grad(set_to_none=True) before it) or there before it (a gradient accumulation's
+later micro-batches), with gradient sync and without (``set_requires_gradient_sync(False)``), and
+the step with gradient sync that ends an accumulation without it; the lowest of 3 x ``--rounds``
+measurements of each, in turn, on one compile per variant. Writes
+benchmarks/out/distributed_accumulation.md.
 """
 from __future__ import annotations
 
@@ -69,6 +79,58 @@ def build(system: str, budget: float, cfg: GPTConfig):
     return model
 
 
+def accumulation(budgets, cfg: GPTConfig, idx, targets, repeats: int) -> None:
+    """The peak of each kind of step, with the backwards' limits and with every rerun kept."""
+    from remat_fx.passes import lower
+
+    kinds = ("made, sync", "there, sync", "made, no sync", "there, no sync", "sync after no sync")
+    limit = lower.backward_limit
+    peaks: dict = {}
+    cpu = torch.device("cpu")
+    for b in budgets:
+        for variant in ("limits", "every rerun"):
+            torch._dynamo.reset()
+            lower.backward_limit = limit if variant == "limits" else None
+            model = build("remat", b, cfg)
+
+            def step(sync: bool, model=model):
+                model.set_requires_gradient_sync(sync)
+                model(idx, targets).backward()
+
+            with scope("remat", b):
+                for _ in range(2):  # compiles, then warms up
+                    model.zero_grad(set_to_none=True)
+                    step(True)
+                found = {k: [] for k in kinds}
+                for _ in range(repeats):  # the lowest of them (see above)
+                    model.zero_grad(set_to_none=True)
+                    found["made, sync"].append(measure.step_peak_bytes(lambda: step(True), cpu))
+                    found["there, sync"].append(measure.step_peak_bytes(lambda: step(True), cpu))
+                    model.zero_grad(set_to_none=True)
+                    found["made, no sync"].append(measure.step_peak_bytes(lambda: step(False), cpu))
+                    found["there, no sync"].append(measure.step_peak_bytes(lambda: step(False), cpu))
+                    found["sync after no sync"].append(measure.step_peak_bytes(lambda: step(True), cpu))
+                peaks[b, variant] = {k: min(v) for k, v in found.items()}
+            dist.barrier()
+    lower.backward_limit = limit
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, peaks)
+    if dist.get_rank() == 0:
+        lines = [f"remat's step peak per kind of step, FSDP2, {len(every)} ranks (gloo, CPU), GPT {cfg.n_layer} "
+                 f"layers, d_model {cfg.d_model}, seq {cfg.seq}; torch {torch.__version__}; the higher of the "
+                 f"ranks' lowest of {repeats}, above each step's start (which holds the gradients there)", "",
+                 "| budget | reruns | " + " | ".join(kinds) + " |", "|---" * (2 + len(kinds)) + "|"]
+        for b in budgets:
+            for variant in ("limits", "every rerun"):
+                got = [max(r[b, variant][k] for r in every) for k in kinds]
+                lines.append(f"| {b:g} | {variant} | " + " | ".join(f"{g / 2**20:.2f} MiB" for g in got) + " |")
+        text = "\n".join(lines)
+        print(text, flush=True)
+        out = ROOT / "benchmarks" / "out"
+        out.mkdir(exist_ok=True)
+        (out / "distributed_accumulation.md").write_text(text + "\n")
+
+
 def scope(system: str, budget: float):
     patch = {"enable_autograd_cache": False}
     if system == "torch":
@@ -85,12 +147,18 @@ def main(argv=None) -> None:
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--accumulation", action="store_true",
+                   help="remat's peak in each kind of step, with the backwards' limits and every rerun kept")
     args = p.parse_args(argv)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(vocab=512, seq=args.seq, d_model=args.d_model, n_head=4, n_layer=args.layers)
     idx, targets = random_batch(cfg, args.batch, seed=rank)
     budgets = [float(b) for b in args.budgets.split(",")]
+    if args.accumulation:
+        accumulation(budgets, cfg, idx, targets, 3 * args.rounds)
+        dist.destroy_process_group()
+        return
     variants = [(system, b) for b in budgets for system in ("torch", "remat")]
 
     peaks: dict = {}

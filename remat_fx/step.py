@@ -83,8 +83,9 @@ class Sharding:
     # kept unsharded through the step, as reshard_after_forward=False and the root module keep theirs,
     # and no FSDP unit split over several graphs): the model counts nothing else
     complete: bool = True
-    # the gradients reduce-scattered after each backward (False: kept whole, as without gradient sync;
-    # backward_limit takes the lesser limit of the two)
+    # the gradients reduce-scattered after each backward (False: kept whole and nothing reduce-scattered,
+    # as without gradient sync; backward_limit takes the least limit of both, with the gradients made
+    # by the step and there before it)
     scatter: bool = True
 
 
@@ -97,7 +98,8 @@ class StepPeak:
 
 
 def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = None,
-              later: Optional[Sequence[int]] = None, sharding: Optional[Sharding] = None) -> StepPeak:
+              later: Optional[Sequence[int]] = None, sharding: Optional[Sharding] = None,
+              there: bool = False) -> StepPeak:
     """The estimated peak of a step whose forwards run in the order of ``costs`` and whose
     backwards run in reverse. ``released[i]``: bytes of call i's held outputs that are freed before
     the backwards (:func:`released_bytes`; by default none: each is held until its call's backward);
@@ -110,9 +112,15 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
     phase with gloo): a call's gathered parameters are alive during its forward and its backward;
     over more than one rank a call's forward also holds its all-gather's output; during any backward
     below a sharded call the next sharded call's parameters (in backward order) are being gathered
-    already (FSDP2's backward prefetch) and the previous sharded call's gradients wait in their
-    reduce-scatter's input. With ``sharding.scatter``, once reduce-scattered a call's gradients of
-    gathered parameters stay as one ``world``-th of their bytes (the rank's shard), not whole."""
+    already (FSDP2's backward prefetch) and, with ``sharding.scatter``, the previous sharded call's
+    gradients wait in their reduce-scatter's input; once reduce-scattered a call's gradients of
+    gathered parameters stay as one ``world``-th of their bytes (the rank's shard), not whole
+    (without ``scatter``, no gradient sync: kept whole, nothing waits).
+
+    ``there``: the parameter gradients are there before the step (a gradient accumulation's later
+    steps, each gradient's storage counted in the step's start): each backward's are added in place
+    and leave nothing behind; with ``sharding.scatter`` they still wait in their reduce-scatter's
+    input, whose output is added to the shard."""
     n = len(costs)
     released = [0] * n if released is None or len(released) != n else released
     later = [0] * n if later is None or len(later) != n else later
@@ -136,11 +144,13 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
         prefetched = waiting = 0
         if any(gathered[i:]):  # below a sharded call (or one itself) in backward order
             prefetched = next((gathered[j] for j in range(i - 1, -1, -1) if gathered[j]), 0)
-            waiting = next((scattered[j] for j in range(i + 1, n) if gathered[j]), 0)
+            if sharding.scatter:
+                waiting = next((scattered[j] for j in range(i + 1, n) if gathered[j]), 0)
         at.append(base + grads + c.backward - released[i] - later[i] + gathered[i] + prefetched + waiting)
         if at[-1] > best[0]:
             best = (at[-1], i, "backward")
-        grads += c.grads - scattered[i] + scattered[i] // world
+        if not there:
+            grads += c.grads - scattered[i] + scattered[i] // world
     return StepPeak(best[0], best[1], best[2], tuple(at))
 
 
@@ -606,8 +616,8 @@ def backward_limit(plan: Plan) -> Optional[int]:
     CPU: 77 of the model graph's 122 reruns bring its backward under the loss graph's in the step's
     estimate; the other 45 copied 1,469 nodes). Under FSDP2 the step's estimate counts the
     parameters it gathers and the gradients it reduce-scatters (:class:`Sharding`). The limit is
-    the least over where the parameter gradients come from (made by the step, whole or
-    reduce-scattered, or there before it). None when the step is not known (no backward began, no
+    the least over the kinds of step one compiled backward serves: the parameter gradients made by
+    the step or there before it, each reduce-scattered or (without gradient sync) kept whole. None when the step is not known (no backward began, no
     run-time record of it), with a whole-step peak_budget (its plans are the step's), under a
     process group of two ranks or more without FSDP2's sharded parameters (DDP: measured on 2 CPU
     ranks at budget 0, the example GPT in 4 graphs, its estimate is the measured peak, 5.02 MiB, and
@@ -638,25 +648,26 @@ def backward_limit(plan: Plan) -> Optional[int]:
     for j, io in enumerate(ios):
         if j not in mine and io.alive_at_own is None:  # its backward is still to come
             later[j] = costs[j].held - released[j]
-    # the least of the limits with the parameter gradients made in the step (whole, or reduce-scattered
-    # under FSDP2) and already there before it: the same backward serves every step, and the gradients
-    # are allocated by the backward only where they were None (set_to_none); in a gradient
-    # accumulation's later steps they are there (and under DDP's gradient_as_bucket_view, where the
-    # limit counting them made measured 4.50 MiB per rank against 3.75 with every rerun); FSDP2
-    # without gradient sync keeps them whole
-    made = [limit_for(costs, mine, released, later, sharding)]
-    if sharding is not None:
-        made.append(limit_for(costs, mine, released, later, dataclasses.replace(sharding, scatter=False)))
-    there = [dataclasses.replace(c, grads=0) for c in costs]
-    return min(made + [limit_for(there, mine, released, later, sharding)])
+    # the same backward serves every step: the least of the limits with the parameter gradients made
+    # by the step (allocated where they were None: zero_grad(set_to_none=True)) and with them there
+    # before it, added to in place (a gradient accumulation's later steps; zero_grad(set_to_none=False);
+    # DDP's gradient_as_bucket_view, where the limit counting them made measured 4.50 MiB per rank
+    # against 3.75 with every rerun), each under FSDP2 with the gradients reduce-scattered and without
+    # gradient sync (kept whole, nothing reduce-scattered: on benchmarks/distributed.py's model at
+    # budget 0 such steps measured 5.30 MiB per rank with the limits of the other kinds against 4.92
+    # with every rerun)
+    kinds = [sharding] if sharding is None else [sharding, dataclasses.replace(sharding, scatter=False)]
+    return min(limit_for(costs, mine, released, later, k, there) for k in kinds for there in (False, True))
 
 
 def limit_for(costs: Sequence[CallCost], mine: Sequence[int], released: Optional[Sequence[int]] = None,
-              later: Optional[Sequence[int]] = None, sharding: Optional[Sharding] = None) -> int:
+              later: Optional[Sequence[int]] = None, sharding: Optional[Sharding] = None,
+              there: bool = False) -> int:
     """The highest ``backward`` (a :class:`CallCost` field) the calls ``mine`` (of one graph) may
     have without raising the estimated peak of the step ``costs`` (:func:`step_peak`, with its
-    ``released``, ``later`` and ``sharding``) above its highest point at any other forward or backward."""
-    at = step_peak(costs, released, later, sharding).at
+    ``released``, ``later``, ``sharding`` and ``there``) above its highest point at any other
+    forward or backward."""
+    at = step_peak(costs, released, later, sharding, there).at
     n = len(costs)
     backward = {i: n + (n - 1 - i) for i in mine}  # the backwards follow the forwards, in reverse
     others = max(a for j, a in enumerate(at) if j not in backward.values())  # the forwards at least

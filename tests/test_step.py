@@ -153,8 +153,10 @@ def test_fsdp2_gathered_parameters_and_scattered_gradients_in_the_step_estimate(
     got = step_peak([c, c, c], sharding=sharded)
     assert got.at == (36, 46, 56, 66, 68, 54)
     assert (got.peak, got.call, got.phase) == (68, 1, "backward")
-    # the gradients kept whole (accumulated without a reduce-scatter)
-    assert step_peak([c, c, c], sharding=dataclasses.replace(sharded, scatter=False)).at == (36, 46, 56, 66, 72, 62)
+    # without gradient sync the gradients are kept whole and nothing waits to be reduce-scattered:
+    # call 1: 10 + 8 (call 2's, whole) + 30 + 8 + 8 prefetched; call 0: 16 + 30 + 8
+    whole = dataclasses.replace(sharded, scatter=False)
+    assert step_peak([c, c, c], sharding=whole).at == (36, 46, 56, 66, 64, 54)
     # a call whose parameters are not sharded (gathered 0) adds none of its own and keeps its
     # gradients whole; in its backward the sharded calls around it prefetch and wait all the same
     assert step_peak([c, c, c], sharding=Sharding(gathered=(8, 0, 8), world=2)).at == (36, 30, 56, 66, 60, 58)
@@ -165,12 +167,16 @@ def test_fsdp2_gathered_parameters_and_scattered_gradients_in_the_step_estimate(
         assert step_peak([c, c, dataclasses.replace(c, backward=backward)], sharding=sharded).peak == peak
     # seen without the sharding, call 2's backward is the step's peak and may not rise at all
     assert limit_for([c, c, c], [2]) == 48 - 20
-    # in a gradient accumulation's later steps the gradients are there before the step (accumulated
-    # in place, nothing reduce-scattered waits): backwards 66, 56, 38, so call 2's backward may rise
+    # in a gradient accumulation's later steps the gradients are there before the step: added in
+    # place, none left behind, but a reduce-scatter's input still waits (call 1: 10 + 30 + 8 + 8 + 8;
+    # call 0: 30 + 8 + 8), and without gradient sync nothing waits; so call 2's backward may rise
     # less (backward_limit takes the least of these)
-    there = [dataclasses.replace(c, grads=0)] * 3
-    assert step_peak(there, sharding=sharded).at == (36, 46, 56, 66, 56, 38)
-    assert limit_for(there, [2], sharding=sharded) == 56 - (66 - 30) < limit
+    assert step_peak([c, c, c], sharding=sharded, there=True).at == (36, 46, 56, 66, 64, 46)
+    assert limit_for([c, c, c], [2], sharding=sharded, there=True) == 64 - (66 - 30) < limit
+    assert step_peak([c, c, c], sharding=whole, there=True).at == (36, 46, 56, 66, 56, 38)
+    assert limit_for([c, c, c], [2], sharding=whole, there=True) == 56 - (66 - 30)
+    # in one process, gradients there are those of no sync: none waits
+    assert step_peak([c, c, c], there=True).at == (20, 30, 40, 50, 40, 30)
 
 
 def test_sharding_is_seen_from_parameters_freed_between_forward_and_backward():
