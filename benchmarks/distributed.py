@@ -9,7 +9,9 @@ use the eager FX lowering (the partitioned graphs run op by op, Inductor's decom
 
 * torch: AOTAutograd with PyTorch's min-cut partitioner and
   ``torch._functorch.config.activation_memory_budget = b``;
-* remat: ``backend="remat"``, ``memory_budget = b`` (1: no budget).
+* remat: ``backend="remat"``, ``memory_budget = b`` (1: no budget);
+* and once per round, per-block checkpointing: ``torch.utils.checkpoint`` around each block (FSDP2
+  outside it), PyTorch's partitioner, no budget.
 
 Per rank and variant: the measured step peak (remat_fx.measure: the CPU profiler's allocation
 events over one warmed-up forward+backward (and zero_grad), highest running total above the
@@ -67,10 +69,11 @@ def torch_backend():
 
 
 def build(system: str, budget: float, cfg: GPTConfig):
-    model = make_model(cfg, "none", "recompute_all")
+    # "checkpoint": torch.utils.checkpoint around each block (the model's forward), PyTorch's partitioner
+    model = make_model(cfg, "torch" if system == "checkpoint" else "none", "recompute_all")
     for block in model.blocks:
         fully_shard(block)
-        if system == "torch":
+        if system in ("torch", "checkpoint"):
             block.compile(backend=torch_backend())
         else:
             options = {"lower": "eager"} if budget >= 1 else {"lower": "eager", "memory_budget": budget}
@@ -159,7 +162,7 @@ def main(argv=None) -> None:
         accumulation(budgets, cfg, idx, targets, 3 * args.rounds)
         dist.destroy_process_group()
         return
-    variants = [(system, b) for b in budgets for system in ("torch", "remat")]
+    variants = [(system, b) for b in budgets for system in ("torch", "remat")] + [("checkpoint", 1.0)]
 
     peaks: dict = {}
     times: dict = {v: [] for v in variants}  # one median per round
@@ -206,6 +209,13 @@ def main(argv=None) -> None:
             lines.append(f"| {b:g} | " + " | ".join(cells)
                          + f" | {statistics.median(tt) * 1e3:.1f} ms | {statistics.median(tr) * 1e3:.1f} ms"
                          f" | {statistics.median(ratios):.2f} | {min(ratios):.2f}-{max(ratios):.2f} |")
+        tc = every[0]["checkpoint", 1.0][1]
+        lines += ["", "Per-block checkpointing (torch.utils.checkpoint around each block, FSDP2 outside it, "
+                  "PyTorch's partitioner, no budget): " + ", ".join(
+                      f"rank {r} peak {every[r]['checkpoint', 1.0][0] / 2**20:.2f} MiB" for r in range(world))
+                  + f", time {statistics.median(tc) * 1e3:.1f} ms; remat's time / its, by budget: " + ", ".join(
+                      f"{b:g}: {statistics.median([r / c for c, r in zip(tc, every[0]['remat', b][1])]):.2f}"
+                      for b in budgets)]
         text = "\n".join(lines)
         print(text, flush=True)
         out = ROOT / "benchmarks" / "out"
