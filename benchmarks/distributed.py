@@ -68,15 +68,15 @@ def torch_backend():
                         partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
 
 
-def build(system: str, budget: float, cfg: GPTConfig):
+def build(system: str, budget: float, cfg: GPTConfig, lower: str = "eager"):
     # "checkpoint": torch.utils.checkpoint around each block (the model's forward), PyTorch's partitioner
     model = make_model(cfg, "torch" if system == "checkpoint" else "none", "recompute_all")
     for block in model.blocks:
         fully_shard(block)
         if system in ("torch", "checkpoint"):
-            block.compile(backend=torch_backend())
+            block.compile(backend=torch_backend() if lower == "eager" else "inductor")
         else:
-            options = {"lower": "eager"} if budget >= 1 else {"lower": "eager", "memory_budget": budget}
+            options = {"lower": lower} if budget >= 1 else {"lower": lower, "memory_budget": budget}
             block.compile(backend="remat", options=options)
     fully_shard(model)
     return model
@@ -150,6 +150,8 @@ def main(argv=None) -> None:
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--lower", default="eager", choices=["eager", "inductor"],
+                   help="both systems' lowering: the partitioned graphs run op by op, or Inductor's C++")
     p.add_argument("--accumulation", action="store_true",
                    help="remat's peak in each kind of step, with the backwards' limits and every rerun kept")
     args = p.parse_args(argv)
@@ -169,7 +171,7 @@ def main(argv=None) -> None:
     for round_ in range(args.rounds):
         for system, b in (variants if round_ % 2 == 0 else variants[::-1]):
             torch._dynamo.reset()  # each variant compiles its own graphs (a reset drops every earlier one)
-            model = build(system, b, cfg)
+            model = build(system, b, cfg, args.lower)
 
             def step(model=model):
                 model(idx, targets).backward()
@@ -194,7 +196,7 @@ def main(argv=None) -> None:
     dist.all_gather_object(every, mine)
     if rank == 0:
         lines = [f"FSDP2, {world} ranks (gloo, CPU, {torch.get_num_threads()} thread(s) each), GPT {args.layers} "
-                 f"layers, d_model {args.d_model}, seq {args.seq}, batch {args.batch} per rank, eager lowering; "
+                 f"layers, d_model {args.d_model}, seq {args.seq}, batch {args.batch} per rank, {args.lower} lowering; "
                  f"torch {torch.__version__}; {args.rounds} round(s) of {args.steps} steps per variant "
                  f"(rank 0's times: median over rounds of each round's median)", "",
                  "| budget | " + " | ".join(f"rank {r} peak torch | rank {r} peak remat" for r in range(world))

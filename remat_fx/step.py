@@ -84,9 +84,28 @@ class Sharding:
     # and no FSDP unit split over several graphs): the model counts nothing else
     complete: bool = True
     # the gradients reduce-scattered after each backward (False: kept whole and nothing reduce-scattered,
-    # as without gradient sync; backward_limit takes the least limit of both, with the gradients made
-    # by the step and there before it)
+    # as without gradient sync; backward_limit takes the least limit over KINDS)
     scatter: bool = True
+
+
+# where a step finds the parameter gradients (step_peak's ``gradients``)
+GRADIENTS = ("made", "there", "there whole")
+
+
+def kinds_of_step(sharding: Optional[Sharding]) -> List[Tuple[Optional[Sharding], str]]:
+    """The kinds of step one compiled backward may serve, as (sharding, gradients) for
+    :func:`step_peak`: the parameter gradients made by the step (``zero_grad(set_to_none=True)``
+    before it) or there before it (a gradient accumulation's later steps, ``set_to_none=False``,
+    DDP's ``gradient_as_bucket_view``); under FSDP2 each with gradient sync (reduce-scattered) and
+    without (``set_requires_gradient_sync(False)``: kept whole, nothing reduce-scattered), and the step
+    with gradient sync that ends an accumulation without it (the whole gradients there, then
+    reduce-scattered)."""
+    if sharding is None:
+        return [(None, "made"), (None, "there")]
+    whole = dataclasses.replace(sharding, scatter=False)
+    scattered = dataclasses.replace(sharding, scatter=True)
+    return [(scattered, "made"), (whole, "made"), (scattered, "there"), (whole, "there"),
+            (scattered, "there whole")]
 
 
 @dataclass(frozen=True)
@@ -99,7 +118,7 @@ class StepPeak:
 
 def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = None,
               later: Optional[Sequence[int]] = None, sharding: Optional[Sharding] = None,
-              there: bool = False) -> StepPeak:
+              gradients: str = "made") -> StepPeak:
     """The estimated peak of a step whose forwards run in the order of ``costs`` and whose
     backwards run in reverse. ``released[i]``: bytes of call i's held outputs that are freed before
     the backwards (:func:`released_bytes`; by default none: each is held until its call's backward);
@@ -117,10 +136,17 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
     gathered parameters stay as one ``world``-th of their bytes (the rank's shard), not whole
     (without ``scatter``, no gradient sync: kept whole, nothing waits).
 
-    ``there``: the parameter gradients are there before the step (a gradient accumulation's later
-    steps, each gradient's storage counted in the step's start): each backward's are added in place
-    and leave nothing behind; with ``sharding.scatter`` they still wait in their reduce-scatter's
-    input, whose output is added to the shard."""
+    ``gradients`` (:data:`GRADIENTS`): where the parameter gradients are when the step begins.
+    ``"made"``: None, each backward allocates its own. ``"there"``: there (a gradient accumulation's
+    later steps, their storage counted in the step's start), each backward's added in place and
+    leaving nothing behind; with ``sharding.scatter`` they still wait whole in their
+    reduce-scatter's input, whose output is added to the shard. ``"there whole"`` (with
+    ``sharding.scatter``; the step with gradient sync that ends an accumulation without it): whole
+    gradients of gathered parameters are there, added to in place, then copied into the
+    reduce-scatter's input and freed, and the shard is made: each sharded backward gives back the
+    whole less the shard."""
+    if gradients not in GRADIENTS:
+        raise ValueError(f"gradients must be one of {GRADIENTS}, got {gradients!r}")
     n = len(costs)
     released = [0] * n if released is None or len(released) != n else released
     later = [0] * n if later is None or len(later) != n else later
@@ -149,8 +175,10 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
         at.append(base + grads + c.backward - released[i] - later[i] + gathered[i] + prefetched + waiting)
         if at[-1] > best[0]:
             best = (at[-1], i, "backward")
-        if not there:
+        if gradients == "made":
             grads += c.grads - scattered[i] + scattered[i] // world
+        elif gradients == "there whole":
+            grads += scattered[i] // world - scattered[i]
     return StepPeak(best[0], best[1], best[2], tuple(at))
 
 
@@ -616,13 +644,13 @@ def backward_limit(plan: Plan) -> Optional[int]:
     CPU: 77 of the model graph's 122 reruns bring its backward under the loss graph's in the step's
     estimate; the other 45 copied 1,469 nodes). Under FSDP2 the step's estimate counts the
     parameters it gathers and the gradients it reduce-scatters (:class:`Sharding`). The limit is
-    the least over the kinds of step one compiled backward serves: the parameter gradients made by
-    the step or there before it, each reduce-scattered or (without gradient sync) kept whole. None when the step is not known (no backward began, no
-    run-time record of it), with a whole-step peak_budget (its plans are the step's), under a
-    process group of two ranks or more without FSDP2's sharded parameters (DDP: measured on 2 CPU
-    ranks at budget 0, the example GPT in 4 graphs, its estimate is the measured peak, 5.02 MiB, and
-    the limit keeps it there; but with ``gradient_as_bucket_view`` the limit measured 3.88 MiB against
-    3.75 with every rerun, a transient this estimate does not see), and with parameters some graph
+    the least over the kinds of step one compiled backward serves (:func:`kinds_of_step`). None
+    when the step is not known (no backward began, no run-time record of it), with a whole-step
+    peak_budget (its plans are the step's), under a process group of two ranks or more without
+    FSDP2's sharded parameters (DDP: measured on 2 CPU ranks at budget 0, the example GPT in 4
+    graphs, its estimate is the measured peak, 5.02 MiB, and the limit keeps it there; but with
+    ``gradient_as_bucket_view`` the limit measured 3.88 MiB against 3.75 with every rerun, a
+    transient this estimate does not see), and with parameters some graph
     reads unsharded through part of the step (``reshard_after_forward=False``; the root module's,
     where the whole model is compiled under FSDP2): those are freed after their block's backward, a
     different amount at each backward, which the model does not count. (Before the sharding was
@@ -648,26 +676,21 @@ def backward_limit(plan: Plan) -> Optional[int]:
     for j, io in enumerate(ios):
         if j not in mine and io.alive_at_own is None:  # its backward is still to come
             later[j] = costs[j].held - released[j]
-    # the same backward serves every step: the least of the limits with the parameter gradients made
-    # by the step (allocated where they were None: zero_grad(set_to_none=True)) and with them there
-    # before it, added to in place (a gradient accumulation's later steps; zero_grad(set_to_none=False);
-    # DDP's gradient_as_bucket_view, where the limit counting them made measured 4.50 MiB per rank
-    # against 3.75 with every rerun), each under FSDP2 with the gradients reduce-scattered and without
-    # gradient sync (kept whole, nothing reduce-scattered: on benchmarks/distributed.py's model at
-    # budget 0 such steps measured 5.30 MiB per rank with the limits of the other kinds against 4.92
-    # with every rerun)
-    kinds = [sharding] if sharding is None else [sharding, dataclasses.replace(sharding, scatter=False)]
-    return min(limit_for(costs, mine, released, later, k, there) for k in kinds for there in (False, True))
+    # the same backward serves every kind of step (DDP's gradient_as_bucket_view, its gradients there:
+    # the limit counting them made measured 4.50 MiB per rank against 3.75 with every rerun; FSDP2
+    # without sync, its gradients there whole: on benchmarks/distributed.py's model at budget 0 with
+    # the limits of the other kinds, 5.30 MiB against 4.92)
+    return min(limit_for(costs, mine, released, later, k, g) for k, g in kinds_of_step(sharding))
 
 
 def limit_for(costs: Sequence[CallCost], mine: Sequence[int], released: Optional[Sequence[int]] = None,
               later: Optional[Sequence[int]] = None, sharding: Optional[Sharding] = None,
-              there: bool = False) -> int:
+              gradients: str = "made") -> int:
     """The highest ``backward`` (a :class:`CallCost` field) the calls ``mine`` (of one graph) may
     have without raising the estimated peak of the step ``costs`` (:func:`step_peak`, with its
-    ``released``, ``later``, ``sharding`` and ``there``) above its highest point at any other
+    ``released``, ``later``, ``sharding`` and ``gradients``) above its highest point at any other
     forward or backward."""
-    at = step_peak(costs, released, later, sharding, there).at
+    at = step_peak(costs, released, later, sharding, gradients).at
     n = len(costs)
     backward = {i: n + (n - 1 - i) for i in mine}  # the backwards follow the forwards, in reverse
     others = max(a for j, a in enumerate(at) if j not in backward.values())  # the forwards at least

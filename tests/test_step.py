@@ -12,7 +12,7 @@ import torch
 import remat_fx as remat
 from remat_fx.measure import step_peak_bytes
 from remat_fx.passes.peak import PeakInfeasible
-from remat_fx.step import STEP, CallCost, Sharding, limit_for, step_peak
+from remat_fx.step import STEP, CallCost, Sharding, kinds_of_step, limit_for, step_peak
 
 MODEL = '''
 import torch
@@ -171,12 +171,25 @@ def test_fsdp2_gathered_parameters_and_scattered_gradients_in_the_step_estimate(
     # place, none left behind, but a reduce-scatter's input still waits (call 1: 10 + 30 + 8 + 8 + 8;
     # call 0: 30 + 8 + 8), and without gradient sync nothing waits; so call 2's backward may rise
     # less (backward_limit takes the least of these)
-    assert step_peak([c, c, c], sharding=sharded, there=True).at == (36, 46, 56, 66, 64, 46)
-    assert limit_for([c, c, c], [2], sharding=sharded, there=True) == 64 - (66 - 30) < limit
-    assert step_peak([c, c, c], sharding=whole, there=True).at == (36, 46, 56, 66, 56, 38)
-    assert limit_for([c, c, c], [2], sharding=whole, there=True) == 56 - (66 - 30)
+    assert step_peak([c, c, c], sharding=sharded, gradients="there").at == (36, 46, 56, 66, 64, 46)
+    assert limit_for([c, c, c], [2], sharding=sharded, gradients="there") == 64 - (66 - 30) < limit
+    assert step_peak([c, c, c], sharding=whole, gradients="there").at == (36, 46, 56, 66, 56, 38)
+    assert limit_for([c, c, c], [2], sharding=whole, gradients="there") == 56 - (66 - 30)
+    # the step with gradient sync that ends an accumulation without it: the whole gradients there
+    # are reduce-scattered, each sharded backward giving back the whole less the shard (8 - 4):
+    # call 1: 10 - 4 + 30 + 8 + 8 + 8; call 0: -8 + 30 + 8 + 8
+    assert step_peak([c, c, c], sharding=sharded, gradients="there whole").at == (36, 46, 56, 66, 60, 38)
+    assert limit_for([c, c, c], [2], sharding=sharded, gradients="there whole") == 60 - (66 - 30)
     # in one process, gradients there are those of no sync: none waits
-    assert step_peak([c, c, c], there=True).at == (20, 30, 40, 50, 40, 30)
+    assert step_peak([c, c, c], gradients="there").at == (20, 30, 40, 50, 40, 30)
+    # backward_limit takes the least over these kinds: here the gradients there without sync's
+    kinds = kinds_of_step(sharded)
+    assert [(k.scatter, g) for k, g in kinds] == [(True, "made"), (False, "made"), (True, "there"),
+                                                  (False, "there"), (True, "there whole")]
+    assert [limit_for([c, c, c], [2], sharding=k, gradients=g) for k, g in kinds] == [32, 28, 28, 20, 24]
+    assert kinds_of_step(None) == [(None, "made"), (None, "there")]
+    with pytest.raises(ValueError, match="gradients must be one of"):
+        step_peak([c], gradients="kept")
 
 
 def test_sharding_is_seen_from_parameters_freed_between_forward_and_backward():
