@@ -1,11 +1,12 @@
 """FSDP2 + PyTorch's activation_memory_budget against FSDP2 + backend="remat", per rank.
 
     torchrun --nproc_per_node 2 benchmarks/distributed.py [--budgets 1,0.5,0.3,0] [--steps 10]
-             [--rounds 3] [--layers 4] [--d-model 128] [--seq 64] [--batch 4]
+             [--rounds 3] [--layers 4] [--d-model 128] [--seq 64] [--batch 4] [--lower inductor]
 
 The example GPT (examples/gpt.py, no annotations: the budget decides), every block
 ``fully_shard``-ed and compiled, the root ``fully_shard``-ed; 2 ranks, gloo on CPU. Both systems
-use the eager FX lowering (the partitioned graphs run op by op, Inductor's decompositions):
+use the eager FX lowering (the partitioned graphs run op by op, Inductor's decompositions), or
+with ``--lower inductor`` Inductor's:
 
 * torch: AOTAutograd with PyTorch's min-cut partitioner and
   ``torch._functorch.config.activation_memory_budget = b``;
