@@ -148,8 +148,8 @@ class _OverLimit(Exception):
 def _compile_keeping_reruns_late(*args, schedules: Optional[dict] = None,
                                  partitioner: Optional["RematPartitioner"] = None, **kwargs):
     """Inductor's compile of one graph (forward, or the backward: compiled lazily, at its first
-    call), with the fusion choices of _KeepRerunsLate, and without Inductor's buffer reuse where
-    the budget made the plan (_keeps_peak)."""
+    call), with the fusion choices of _KeepRerunsLate, and without Inductor's buffer reuse nor its
+    reordering for peak memory where the budget made the plan (_keeps_peak)."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.virtualized import V
@@ -158,7 +158,8 @@ def _compile_keeping_reruns_late(*args, schedules: Optional[dict] = None,
     if kwargs.get("is_backward") and args:
         args = (_shortened(args[0], partitioner), *args[1:])
     with V.set_choices_handler(_KeepRerunsLate(V.choices)), \
-            config.patch(allow_buffer_reuse=config.allow_buffer_reuse and not keep_peak):
+            config.patch(allow_buffer_reuse=config.allow_buffer_reuse and not keep_peak,
+                         reorder_for_peak_memory=config.reorder_for_peak_memory and not keep_peak):
         if schedules is None:
             return compile_fx_inner(*args, **kwargs)
         sink: list = []
@@ -219,11 +220,15 @@ def _shortened(bw: fx.GraphModule, partitioner: Optional["RematPartitioner"]) ->
 
 
 def _keeps_peak(partitioner: Optional["RematPartitioner"]) -> bool:
-    """Whether Inductor's buffer reuse is turned off: with a memory or peak budget, since it keeps a
-    dead buffer alive for a later one of its size whenever that stays under Inductor's own estimate
-    of the peak, not ours (measured on the example GPT at budget 0: a 3 MiB buffer held across the
-    backward's peak, 27.1 -> 31.0 MiB); a byte peak_budget's lowerings are checked against a
-    schedule without reuse (passes/lowered_peak.py). Not when the plan is the one the graph has
+    """Whether Inductor's buffer reuse and its reordering for peak memory are turned off: with a
+    memory or peak budget, since reuse keeps a dead buffer alive for a later one of its size
+    whenever that stays under Inductor's own estimate of the peak, not ours (measured on the example
+    GPT at budget 0: a 3 MiB buffer held across the backward's peak, 27.1 -> 31.0 MiB), and the
+    reordering moves kernels away from the order the schedule pass gave them by that estimate
+    (``reorder_for_peak_memory``; measured on one block of the example GPT at budget 0.3: it moved
+    the attention's recompute into the MLP's backward, 2,233,864 -> 2,630,152 bytes, where Inductor's
+    estimate said 2,365,952, and PyTorch's own plan measured 2,374,664); a byte peak_budget's
+    lowerings are checked against a schedule without either (passes/lowered_peak.py). Not when the plan is the one the graph has
     without a budget (the budget fits it, e.g. memory_budget=1, and nothing is rerun): that plan is
     lowered exactly as PyTorch lowers it (measured on the GPT-2 of docs/benchmarks.md, H100: at
     memory_budget 1 with reuse off, 1,179,648 bytes over PyTorch's peak)."""
