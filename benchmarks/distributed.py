@@ -83,7 +83,7 @@ def build(system: str, budget: float, cfg: GPTConfig, lower: str = "eager"):
     return model
 
 
-def accumulation(budgets, cfg: GPTConfig, idx, targets, repeats: int) -> None:
+def accumulation(budgets, cfg: GPTConfig, idx, targets, repeats: int, lower_: str = "eager") -> None:
     """The peak of each kind of step, with the backwards' limits and with every rerun kept."""
     from remat_fx.passes import lower
 
@@ -95,7 +95,7 @@ def accumulation(budgets, cfg: GPTConfig, idx, targets, repeats: int) -> None:
         for variant in ("limits", "every rerun"):
             torch._dynamo.reset()
             lower.backward_limit = limit if variant == "limits" else None
-            model = build("remat", b, cfg)
+            model = build("remat", b, cfg, lower_)
 
             def step(sync: bool, model=model):
                 model.set_requires_gradient_sync(sync)
@@ -121,7 +121,8 @@ def accumulation(budgets, cfg: GPTConfig, idx, targets, repeats: int) -> None:
     dist.all_gather_object(every, peaks)
     if dist.get_rank() == 0:
         lines = [f"remat's step peak per kind of step, FSDP2, {len(every)} ranks (gloo, CPU), GPT {cfg.n_layer} "
-                 f"layers, d_model {cfg.d_model}, seq {cfg.seq}; torch {torch.__version__}; the higher of the "
+                 f"layers, d_model {cfg.d_model}, seq {cfg.seq}, {lower_} lowering; torch {torch.__version__}; "
+                 f"the higher of the "
                  f"ranks' lowest of {repeats}, above each step's start (which holds the gradients there)", "",
                  "| budget | reruns | " + " | ".join(kinds) + " |", "|---" * (2 + len(kinds)) + "|"]
         for b in budgets:
@@ -162,7 +163,7 @@ def main(argv=None) -> None:
     idx, targets = random_batch(cfg, args.batch, seed=rank)
     budgets = [float(b) for b in args.budgets.split(",")]
     if args.accumulation:
-        accumulation(budgets, cfg, idx, targets, 3 * args.rounds)
+        accumulation(budgets, cfg, idx, targets, 3 * args.rounds, args.lower)
         dist.destroy_process_group()
         return
     variants = [(system, b) for b in budgets for system in ("torch", "remat")] + [("checkpoint", 1.0)]

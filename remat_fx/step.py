@@ -84,7 +84,7 @@ class Sharding:
     # and no FSDP unit split over several graphs): the model counts nothing else
     complete: bool = True
     # the gradients reduce-scattered after each backward (False: kept whole and nothing reduce-scattered,
-    # as without gradient sync; backward_limit takes the least limit over KINDS)
+    # as without gradient sync; backward_limit takes the least limit over kinds_of_step)
     scatter: bool = True
 
 

@@ -228,10 +228,10 @@ def _keeps_peak(partitioner: Optional["RematPartitioner"]) -> bool:
     (``reorder_for_peak_memory``; measured on one block of the example GPT at budget 0.3: it moved
     the attention's recompute into the MLP's backward, 2,233,864 -> 2,630,152 bytes, where Inductor's
     estimate said 2,365,952, and PyTorch's own plan measured 2,374,664); a byte peak_budget's
-    lowerings are checked against a schedule without either (passes/lowered_peak.py). Not when the plan is the one the graph has
-    without a budget (the budget fits it, e.g. memory_budget=1, and nothing is rerun): that plan is
-    lowered exactly as PyTorch lowers it (measured on the GPT-2 of docs/benchmarks.md, H100: at
-    memory_budget 1 with reuse off, 1,179,648 bytes over PyTorch's peak)."""
+    lowerings are checked against a schedule without either (passes/lowered_peak.py). Not when the
+    plan is the one the graph has without a budget (the budget fits it, e.g. memory_budget=1, and
+    nothing is rerun): that plan is lowered exactly as PyTorch lowers it (measured on the GPT-2 of
+    docs/benchmarks.md, H100: at memory_budget 1 with reuse off, 1,179,648 bytes over PyTorch's peak)."""
     if partitioner is None:
         return False
     options, plan = partitioner.options, partitioner.plan
