@@ -312,13 +312,13 @@ def _prune(prog: _Program, keep: list, state) -> list:
 
     Measured, eager lowering, budget 0: the example GPT's block 12 reruns of 218 MFLOPs (the
     recompute itself is 75) -> 9 of 189, the same estimated peak; an 8-layer Llama (benchmarks/
-    llama_depth.py's issue shape) 128 reruns of 2,055 copied nodes -> 96 of 1,589, step 320 -> 290
+    llama_depth.py's issue shape) 128 reruns of 2,055 copied nodes -> 96 of 1,589, step 320 -> 283
     ms, measured peak 12.26 -> 12.31 MiB, planning +1.3 s. Not under Inductor, where the estimate
     is the liveness model's and not the lowering's: the same Llama's pruned backward (74 reruns,
-    1,209 nodes, the same 12.38 MiB estimate) measured 15.08 against 13.52 MiB, as Inductor's own
-    schedule says too (passes/lowered_peak.py): five blocks' recomputed MLP products (SiLU(gate) x
-    up, 512 KiB each) stay alive into the last block's backward, where the FX graph frees them at
-    the down projection; why was not found."""
+    1,209 nodes, the same 12.38 MiB estimate) measured 13.49 against 12.65 MiB (15.08 against 13.52
+    before passes/lower.py refused the fusions that pull a kernel ahead), as Inductor's own
+    schedule said too (passes/lowered_peak.py), and its planning took 2.4 s more; why it measures
+    higher was not found."""
     final, target = keep[-1][0], (keep[-1][1].peak, keep[-1][1].width)
     seconds = [h[4] - (keep[k - 1][4] if k else 0.0) for k, h in enumerate(keep)]
     dropped: Set[int] = set()
