@@ -63,9 +63,8 @@ def test_byte_peak_budget_holds_on_the_lowered_graphs_where_the_estimate_is_low(
     from argparse import Namespace
 
     from benchmarks.llama_depth import build
-    from tests.test_peak import llama_step as run
-
     from remat_fx.passes import lower
+    from tests.test_peak import llama_step as run
 
     shape = Namespace(layers=2, hidden=64, intermediate=128, vocab=1000, seq=128, batch=4)
 

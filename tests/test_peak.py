@@ -255,6 +255,7 @@ def test_reruns_that_later_reruns_make_needless_are_taken_out_under_the_eager_lo
     for k, v in want.items():
         torch.testing.assert_close(grads[k], v, rtol=1e-5, atol=1e-6)
 
+
 def test_rerun_keeps_the_fewest_reruns_that_come_within_one_percent_of_the_lowest_peak():
     """The search's last reruns often buy a fraction of a percent of the estimate for long closures
     (copied nodes Inductor compiles and the step runs): the prefix kept stops at the first peak within
@@ -845,6 +846,7 @@ def test_a_budgets_fusions_pull_no_kernel_ahead_of_the_ones_before_it():
     assert peak <= 1.02 * estimate, (peak, estimate)
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-6)
+
 
 def test_a_budgets_lowering_keeps_the_order_the_schedule_gave_it():
     """Under a remat budget Inductor's reordering for peak memory is off, as its buffer reuse is
