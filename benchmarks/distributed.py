@@ -83,7 +83,7 @@ def build(system: str, budget: float, cfg: GPTConfig, lower: str = "eager"):
     return model
 
 
-def accumulation(budgets, cfg: GPTConfig, idx, targets, repeats: int, lower_: str = "eager") -> None:
+def accumulation(budgets, cfg: GPTConfig, idx, targets, repeats: int, lowering: str = "eager") -> None:
     """The peak of each kind of step, with the backwards' limits and with every rerun kept."""
     from remat_fx.passes import lower
 
@@ -95,7 +95,7 @@ def accumulation(budgets, cfg: GPTConfig, idx, targets, repeats: int, lower_: st
         for variant in ("limits", "every rerun"):
             torch._dynamo.reset()
             lower.backward_limit = limit if variant == "limits" else None
-            model = build("remat", b, cfg, lower_)
+            model = build("remat", b, cfg, lowering)
 
             def step(sync: bool, model=model):
                 model.set_requires_gradient_sync(sync)
@@ -121,7 +121,7 @@ def accumulation(budgets, cfg: GPTConfig, idx, targets, repeats: int, lower_: st
     dist.all_gather_object(every, peaks)
     if dist.get_rank() == 0:
         lines = [f"remat's step peak per kind of step, FSDP2, {len(every)} ranks (gloo, CPU), GPT {cfg.n_layer} "
-                 f"layers, d_model {cfg.d_model}, seq {cfg.seq}, {lower_} lowering; torch {torch.__version__}; "
+                 f"layers, d_model {cfg.d_model}, seq {cfg.seq}, {lowering} lowering; torch {torch.__version__}; "
                  f"the higher of the "
                  f"ranks' lowest of {repeats}, above each step's start (which holds the gradients there)", "",
                  "| budget | reruns | " + " | ".join(kinds) + " |", "|---" * (2 + len(kinds)) + "|"]
