@@ -12,7 +12,9 @@ the measured step, so the peak counts them. Time: median of --steps synchronised
 compiles (with remat.fit, the whole fit), after a warm-up compile of each backend, with Inductor's
 FX graph cache off and, unless --warm-kernels, each variant in a fresh Inductor cache (a new cache
 folder and its in-memory caches cleared: every kernel is generated and compiled anew, as on a
-first run, so that no variant reuses kernels another compiled before it). bf16 autocast on CUDA (--autocast: also on CPU, or off).
+first run, so that no variant reuses kernels another compiled before it); "kernels compiled": the
+distinct kernel sources that step handed Inductor's compiler, where most of its time goes. bf16
+autocast on CUDA (--autocast: also on CPU, or off).
 The issue's targets are checked on the rows at the end.
 Writes benchmarks/out/gpu_<model>_<device>.md and .csv.
 """
@@ -82,21 +84,25 @@ def run_variant(label, args, compile_fn=None, checkpointing=False, fit=None):
     fn = model if compile_fn is None else compile_fn(model)
     step = make_step(model, fn, ids, args.device, args.bf16)
     row = {"variant": label}
+    compiled = set()  # kernel sources the first step compiles
     with torch._functorch.config.patch(enable_autograd_cache=False), _kernel_cache(args.warm_kernels):
         sync(args.device)
         t0 = time.perf_counter()
-        if fit is not None:
-            try:
-                result = remat.fit(step, peak=fit, cache=False)
-            except remat.PeakInfeasible as e:  # the message names the least measured peak
-                print(f"{label:40s} {e}", flush=True)
-                return {"variant": label, "peak": 0, "ms": 0.0, "first_s": time.perf_counter() - t0,
-                        "fit": "infeasible: " + str(e).split(": ", 2)[-1].split(". Raise")[0]}
-            row["fit"] = f"budget {result.fraction}, {len(result.tried)} measured"
-        else:
-            step()
-        sync(args.device)
+        with _kernels_compiled(compiled):
+            if fit is not None:
+                try:
+                    result = remat.fit(step, peak=fit, cache=False)
+                except remat.PeakInfeasible as e:  # the message names the least measured peak
+                    print(f"{label:40s} {e}", flush=True)
+                    return {"variant": label, "peak": 0, "ms": 0.0, "first_s": time.perf_counter() - t0,
+                            "kernels": len(compiled),
+                            "fit": "infeasible: " + str(e).split(": ", 2)[-1].split(". Raise")[0]}
+                row["fit"] = f"budget {result.fraction}, {len(result.tried)} measured"
+            else:
+                step()
+            sync(args.device)
         row["first_s"] = time.perf_counter() - t0
+        row["kernels"] = len(compiled)
         step()  # a step of several graphs is planned as a whole at the second step
         # the gradients set to None before the measured step, so that its peak counts them: on CUDA
         # the measurement is the allocator's peak less what was allocated before the step, and the
@@ -120,6 +126,7 @@ def run_variant(label, args, compile_fn=None, checkpointing=False, fit=None):
         row["plan_s"] = sum(p.partition_seconds for p in plans)
         row["reruns"] = sum(p.rerun.reruns for p in plans if p.rerun is not None)
     print(f"{label:40s} peak {row['peak'] / 2**20:10.1f} MiB  {row['ms']:8.1f} ms  first {row['first_s']:.1f} s"
+          f"  kernels {row['kernels']}"
           + (f"  est {row['estimate'] / 2**20:.1f} MiB  planning {row['plan_s']:.1f} s  reruns {row['reruns']}"
              if "estimate" in row else "") + f"  {row.get('fit', '')}",
           flush=True)
@@ -127,6 +134,37 @@ def run_variant(label, args, compile_fn=None, checkpointing=False, fit=None):
     if args.device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+@contextlib.contextmanager
+def _kernels_compiled(into: set):
+    """Adds to ``into`` the source of each kernel Inductor hands its compiler meanwhile (C++ on CPU,
+    Triton on CUDA; Inductor's private AsyncCompile, checked on torch 2.11, 2.13 and 2.14). In a
+    fresh cache each distinct source is compiled once, and most of a first step's time goes to them:
+    on the 8-layer Llama of docs/benchmarks.md, budget 0, 60 C++ kernels for remat against 35 for
+    PyTorch, 37 against 21 s of compiler time."""
+    from torch._inductor import async_compile
+
+    cls = getattr(async_compile, "AsyncCompile", None)
+    real = {}
+    for name, at in (("cpp", 0), ("cpp_pybinding", 1), ("triton", 1)):
+        method = getattr(cls, name, None)
+        if method is None:
+            continue
+        real[name] = method
+
+        def counted(self, *a, _method=method, _at=at, **kw):
+            source = a[_at] if len(a) > _at else kw.get("source_code")
+            if isinstance(source, str):
+                into.add(source)
+            return _method(self, *a, **kw)
+
+        setattr(cls, name, counted)
+    try:
+        yield
+    finally:
+        for name, method in real.items():
+            setattr(cls, name, method)
 
 
 def _kernel_cache(warm):
@@ -216,14 +254,14 @@ def main():
 
 def write(out, args, head, rows):
     """The table so far, and the issue's targets checked on it, as .md and .csv under out."""
-    lines = [head, "", "| variant | peak MiB | step ms | first step s | of it planning s | reruns | "
+    lines = [head, "", "| variant | peak MiB | step ms | first step s | of it planning s | kernels compiled | reruns | "
                        "whole-step estimate MiB | graphs / calls | fit |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         est = f"{r['estimate'] / 2**20:.1f}" if "estimate" in r else ""
         plan_s = f"{r['plan_s']:.1f}" if "plan_s" in r else ""
         lines.append(f"| {r['variant']} | {r['peak'] / 2**20:.1f} | {r['ms']:.1f} | {r['first_s']:.1f} | {plan_s} | "
-                     f"{r.get('reruns', '')} | {est} | {r.get('graphs', '')} | {r.get('fit', '')} |")
+                     f"{r.get('kernels', '')} | {r.get('reruns', '')} | {est} | {r.get('graphs', '')} | {r.get('fit', '')} |")
     with open(out / f"gpu_{args.model}_{args.device.type}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
         writer.writeheader()
