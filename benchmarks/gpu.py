@@ -261,7 +261,8 @@ def write(out, args, head, rows):
         est = f"{r['estimate'] / 2**20:.1f}" if "estimate" in r else ""
         plan_s = f"{r['plan_s']:.1f}" if "plan_s" in r else ""
         lines.append(f"| {r['variant']} | {r['peak'] / 2**20:.1f} | {r['ms']:.1f} | {r['first_s']:.1f} | {plan_s} | "
-                     f"{r.get('kernels', '')} | {r.get('reruns', '')} | {est} | {r.get('graphs', '')} | {r.get('fit', '')} |")
+                     f"{r.get('kernels', '')} | {r.get('reruns', '')} | {est} | {r.get('graphs', '')} | "
+                     f"{r.get('fit', '')} |")
     with open(out / f"gpu_{args.model}_{args.device.type}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
         writer.writeheader()

@@ -646,8 +646,10 @@ class _Step:
         time in it (on the step that compiles, Dynamo's tracing holds values the later steps free,
         e.g. a Hugging Face model's logits), no backward of it still to compile (passes/lower.py
         asks backward_limit then) and remat.fit not collecting; the step's record is kept for its
-        signature. A step that mixes a settled graph with a new one, or whose record
-        is gone (reset), unsettles its graphs: the next step is recorded whole."""
+        signature. A step that mixes a settled graph with a new one, or whose record is gone
+        (reset), unsettles its graphs: the next step is recorded whole. (A backward compiled in
+        such a mixed step, e.g. a graph recompiled for new shapes, has no step limit and keeps
+        all its reruns: backward_limit finds no record of the step.)"""
         calls, ios = self.last, self.last_io
         if not calls or len(ios) != len(calls):
             return
