@@ -654,9 +654,9 @@ class _Step:
         if not calls or len(ios) != len(calls):
             return
         sig = _signature(calls)
-        light = [isinstance(io, _Light) for io in ios]
-        if any(light):
-            if not all(light) or sig not in self.full:
+        kind = self.record_kind()
+        if kind != "whole":
+            if kind == "mixed" or sig not in self.full:
                 for g in calls:
                     g.settled = False
             return
@@ -667,6 +667,11 @@ class _Step:
         self.full[sig] = ios
         for g in calls:
             g.settled = True
+
+    def record_kind(self) -> str:
+        """How the last step was recorded: "whole", "light" (only its calls: settled) or "mixed"."""
+        light = sum(isinstance(io, _Light) for io in self.last_io)
+        return "whole" if not light else "light" if light == len(self.last_io) else "mixed"
 
     def _live(self) -> List[CompiledGraph]:
         return [c[0] for c in self.calls if c[1]() is not None]
@@ -682,10 +687,10 @@ class _Step:
     def io_of(self, calls: Sequence[CompiledGraph]) -> Optional[List[CallIO]]:
         """The run-time record of ``calls`` if they are the last step's calls, else None."""
         if len(calls) == len(self.last) and all(a is b for a, b in zip(calls, self.last)):
-            light = [isinstance(io, _Light) for io in self.last_io]
-            if not any(light):
+            kind = self.record_kind()
+            if kind == "whole":
                 return self.last_io
-            return self.full.get(_signature(calls)) if all(light) else None
+            return self.full.get(_signature(calls)) if kind == "light" else None
         return None
 
     def reset(self) -> None:
@@ -860,7 +865,7 @@ def _after_step(calls: List[CompiledGraph]) -> None:
     sig = _signature(calls)
     if sig in STEP.planned:
         return
-    if calls == STEP.last and STEP.io_of(calls) is None and any(isinstance(io, _Light) for io in STEP.last_io):
+    if calls is STEP.last and STEP.record_kind() == "mixed":
         return  # a new graph among settled ones: STEP.settle has the next step recorded whole, and planned
     opts = calls[0].options
     if any(g.options.key() != opts.key() for g in calls):
