@@ -33,11 +33,13 @@ class Budget:
         return f"{self.fraction:g}" if self.nbytes is None else fmt_bytes(self.nbytes)
 
 
-def parse_budget(value, what: str = "memory_budget") -> Optional[Budget]:
-    """A Budget from what users write; None stays None. Errors say what is accepted."""
+def parse_budget(value, what: str = "memory_budget",
+                 fraction: str = "0 = save the minimum, 1 = no budget") -> Optional[Budget]:
+    """A Budget from what users write; None stays None. Errors say what is accepted, ``fraction``
+    what a fraction means for ``what``."""
     if value is None or isinstance(value, Budget):
         return value
-    hint = (f"{what} takes a fraction in [0, 1] (0 = save the minimum, 1 = no budget), a size with a "
+    hint = (f"{what} takes a fraction in [0, 1] ({fraction}), a size with a "
             f"unit such as '512MiB', '1.5GB', '4096B' or '50%', or an int number of bytes > 1")
     if isinstance(value, bool):
         raise ValueError(f"{hint}; got {value!r}")

@@ -159,7 +159,7 @@ def _peak_budget(value, what):
                               f"available; give a size (peak_budget='2GiB') or a fraction (0.5)")
         return value
     try:
-        return parse_budget(value, what)
+        return parse_budget(value, what, "0 = the least peak found, 1 = the peak without a budget")
     except ValueError as e:
         raise OptionError(f"{e}; or 'auto' (CUDA: the device's free memory)") from None
 

@@ -21,6 +21,8 @@ def _compile(fn, **options):
     ({"memory_budget": 1.5}, r"option 'memory_budget' takes a fraction in \[0, 1\].*got 1.5 \(a float must be a "
                              r"fraction; for a size write an int number of bytes or a string with a unit, e.g. '1.5GiB'\)"),
     ({"memory_budget": "12 parsecs"}, r"option 'memory_budget' takes .* got '12 parsecs' \(units: b, kb"),
+    ({"peak_budget": -1}, r"option 'peak_budget' takes a fraction in \[0, 1\] \(0 = the least peak found, 1 = the "
+                          r"peak without a budget\), .*got a negative size -1; or 'auto'"),
     ({"cost_model": "vibes"}, r"option 'cost_model' must be one of \['auto', 'roofline', 'flops', 'profile'\]"),
     ({"roofline": {"flops": 1}}, r"option 'roofline' must be a dict with keys from \['flops_per_s'"),
     ({"lower": "triton"}, r"option 'lower' must be one of \['inductor', 'eager'\], got 'triton'"),
