@@ -29,8 +29,9 @@ _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_
 _COPIES = {"clone", "_to_copy", "copy", "expand", "alias", "lift_fresh_copy", "empty_like", "zeros_like",
            "ones_like", "full_like", "full", "scalar_tensor", "iota", "arange"}
 # indexed reads Inductor lowers as pointwise loads at computed indices: a pointwise producer is
-# computed inside them (a cross-entropy's log-softmax inside its gather of the targets' entries)
-_INDEXED_READS = {"gather", "index"}
+# computed inside them (a cross-entropy's log-softmax inside its gather of the targets' entries),
+# and they are computed inside their readers (an embedding's rows inside the first residual add)
+_INDEXED_READS = {"gather", "index", "embedding"}
 
 
 def fusible(node: fx.Node) -> bool:
@@ -57,6 +58,9 @@ def indexed_read(node: fx.Node) -> bool:
         return False
     if target.overloadpacket.__name__ == "gather":
         return True
+    if target.overloadpacket.__name__ == "embedding":  # (weight, indices, ...): rows of the weight
+        weight, ids = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:2])
+        return isinstance(weight, torch.Tensor) and isinstance(ids, torch.Tensor) and ids.device == weight.device
     x = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
     indices = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else ()
     for i in indices:
