@@ -638,7 +638,8 @@ def test_inductor_liveness_computes_an_embedding_inside_its_readers():
     # emb: 2 reads, add 1: 3, add 2: 4 (inlined); add 3: 5 (materialised); add 4: read once
     assert _inlined(gm) == {emb.name, chain[0], chain[1], chain[3]}, _inlined(gm)
     n = 8 * 4 * 4  # bytes of one (8, 4) float tensor
-    # alive at the last neg, which reads add 3: its buffer and the outputs so far (the four negs)
+    # at the fourth neg: add 3's buffer and the four negs; at the sin (add 4 computed inside it,
+    # reading add 3, which dies there): the sin written over add 3, and the four negs
     assert simulate(gm, set(), inline=True)[0] == 5 * n
 
 
