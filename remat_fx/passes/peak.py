@@ -99,6 +99,7 @@ class NodeFacts(NamedTuple):
     pointwise: bool
     on_cpu: bool
     base: fx.Node  # storage_base
+    indexed: bool  # indexed_read: a load at computed indices (an embedding, a gather)
 
 
 def node_facts(node: fx.Node, memo: dict) -> NodeFacts:
@@ -108,7 +109,7 @@ def node_facts(node: fx.Node, memo: dict) -> NodeFacts:
     if found is None:
         base = storage_base(node)
         found = memo[node] = NodeFacts(inlinable_op(node), fusible(node), is_view(node, base), pointwise_op(node),
-                                       _on_cpu(node), base)
+                                       _on_cpu(node), base, indexed_read(node))
     return found
 
 
@@ -151,11 +152,11 @@ def inlined_nodes(order: Iterable, inputs: Callable, users: Callable, src: Calla
         found = readers(x, users, src, facts)
         if found is None or not all((facts.get(n) or node_facts(n, facts)).fusible for n in map(src, found)):
             continue
-        if not mine.pointwise and any(indexed_read(n) for n in map(src, found)):
+        if not mine.pointwise and any((facts.get(n) or node_facts(n, facts)).indexed for n in map(src, found)):
             continue  # a reduction (or a copy) read at computed indices is realised first
         if len(found) <= 1:
             inlined.add(x)
-        elif mine.pointwise or indexed_read(node):  # both are Inductor's Pointwise IR
+        elif mine.pointwise or mine.indexed:  # both are Inductor's Pointwise IR
             heavy, reads = _body(x, node, inputs, src, inlined, body_of, facts)
             if not (heavy and mine.on_cpu) and len(reads) <= config.realize_reads_threshold:
                 inlined.add(x)
