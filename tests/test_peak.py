@@ -214,6 +214,48 @@ def test_rerun_recomputes_a_held_value_just_before_its_late_use():
     assert none.reruns == 0
 
 
+def _moving_peak_graph():
+    """Two stretches at the peak (6 x 64 bytes): at g1 (t, x, big, g1) and at k, m (x, k). ``big``
+    (128 bytes) is held across the first until h; ``x`` (64 bytes) across both, until out."""
+    aten = torch.ops.aten
+    g = fx.Graph()
+    a, t = g.placeholder("a"), g.placeholder("tangents_1")
+    nodes = {}
+    for name, op, args in [("x", aten.sin.default, (a,)), ("big", aten.cos.default, (a,)),
+                           ("g1", aten.mul.Tensor, (t, t)), ("g2", aten.sum.default, ("g1",)),
+                           ("h", aten.mul.Tensor, ("big", "g2")), ("k", aten.cos.default, ("h",)),
+                           ("m", aten.sum.default, ("k",)), ("out", aten.add.Tensor, ("x", "m"))]:
+        nodes[name] = g.call_function(op, tuple(nodes.get(x, x) for x in args))
+        nodes[name].name = name
+    g.output((nodes["out"],))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    shapes = {"big": (8, 4), "g1": (8, 4), "g2": (0,), "h": (0,), "k": (20, 4), "m": (0,)}
+    for node in gm.graph.nodes:
+        node.meta["val"] = torch.empty(shapes.get(node.name, (4, 4)))
+    return gm
+
+
+def test_rerun_under_a_time_allowance_spends_it_where_the_peak_falls():
+    """Freeing ``big`` at the first peak frees twice x's bytes for twice its time (the same bytes
+    per second), but the peak moves to k, which x's rerun lowers as well: under an allowance that
+    buys one of them the search takes x (what it cuts off the top of the whole backward, per
+    second), where ranking by bytes freed at the peak took big, kept nothing and left the peak at
+    6 x 64 bytes. Without an allowance the search still ranks by bytes freed at the peak."""
+    from remat_fx.passes.rerun import rerun_for_peak
+
+    gm = _moving_peak_graph()
+    n = 64
+    assert simulate(gm, {"tangents_1"})[0] == 6 * n
+    cost = lambda node: 2.0 if node.name == "big" else 1.0  # noqa: E731
+    new, report = rerun_for_peak(gm, {"tangents_1"}, {}, 0, 0, cost, allowance=2.0)
+    assert (report.names, report.peak_before, report.peak_after, report.cost_s) == (["x"], 6 * n, 5 * n, 1.0)
+    assert simulate(new, {"tangents_1"})[0] == 5 * n
+    a, t = torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(new(a, t), gm(a, t))
+    _, lowest = rerun_for_peak(gm, {"tangents_1"}, {}, 0, 0, cost)
+    assert (lowest.names, lowest.peak_after, lowest.cost_s) == (["big", "x"], 5 * n, 3.0)
+
+
 def test_reruns_that_later_reruns_make_needless_are_taken_out_under_the_eager_lowering(monkeypatch):
     """The rerun search is greedy: it first takes cheap reruns that narrow the backward's peak, and
     later ones, from further back, remake what they did. Under the eager lowering (whose measured
