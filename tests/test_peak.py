@@ -650,6 +650,20 @@ def test_inductor_liveness_counts_reads_as_inductor_does_and_inlines_into_a_gath
     assert _inlined(gm) == set(), _inlined(gm)
 
 
+def _residual_chain(g: fx.Graph, h: fx.Node, ms, outs: list):
+    """(module, names of the adds): h = h + m for each m, each sum read by the next add and by a
+    neg (two readers), the last by a sin; the negs, the sin and ``outs`` are the outputs."""
+    aten = torch.ops.aten
+    chain = []
+    for m in ms:
+        outs.append(g.call_function(aten.neg.default, (h,)))
+        h = g.call_function(aten.add.Tensor, (h, m))
+        chain.append(h.name)
+    outs.append(g.call_function(aten.sin.default, (h,)))
+    g.output(tuple(outs))
+    return fx.GraphModule(torch.nn.Module(), g), chain
+
+
 def test_inductor_liveness_computes_an_embedding_inside_its_readers():
     """Inductor lowers an embedding as a pointwise load of the weight's rows (two reads: the
     weight and the indices), so read by several fusible ops it is computed inside each, and the
@@ -664,14 +678,7 @@ def test_inductor_liveness_computes_an_embedding_inside_its_readers():
     weight, ids = g.placeholder("weight"), g.placeholder("ids")
     ms = [g.placeholder(f"m{i}") for i in range(4)]
     emb = g.call_function(aten.embedding.default, (weight, ids))
-    h, outs, chain = emb, [], []
-    for m in ms:  # h = h + m, each read by the next add and by a neg (two readers)
-        outs.append(g.call_function(aten.neg.default, (h,)))
-        h = g.call_function(aten.add.Tensor, (h, m))
-        chain.append(h.name)
-    outs.append(g.call_function(aten.sin.default, (h,)))
-    g.output(tuple(outs))
-    gm = fx.GraphModule(torch.nn.Module(), g)
+    gm, chain = _residual_chain(g, emb, ms, [])
     for node in gm.graph.nodes:
         if node.op != "output":
             node.meta["val"] = torch.zeros(8, dtype=torch.long) if node.name == "ids" else \
@@ -706,14 +713,8 @@ def test_inductor_liveness_computes_position_ids_inside_their_readers():
     emb = g.call_function(aten.embedding.default, (wte, ids))
     emb1 = g.call_function(aten.embedding.default, (wpe, pos))
     h = g.call_function(aten.add.Tensor, (emb, emb1))
-    outs, chain = [mask, both], [h.name]
-    for m in ms:  # h = h + m, each read by the next add and by a neg (two readers)
-        outs.append(g.call_function(aten.neg.default, (h,)))
-        h = g.call_function(aten.add.Tensor, (h, m))
-        chain.append(h.name)
-    outs.append(g.call_function(aten.sin.default, (h,)))
-    g.output(tuple(outs))
-    gm = fx.GraphModule(torch.nn.Module(), g)
+    gm, chain = _residual_chain(g, h, ms, [mask, both])
+    chain.insert(0, h.name)
     ints = torch.zeros(8, dtype=torch.long)
     vals = {"ids": ints, "wte": torch.empty(100, 4), "wpe": torch.empty(9, 4), iota.name: ints, pos.name: ints,
             mask.name: torch.zeros(8, dtype=torch.bool), both.name: torch.zeros(16, dtype=torch.long)}
