@@ -100,6 +100,8 @@ class NodeFacts(NamedTuple):
     on_cpu: bool
     base: fx.Node  # storage_base
     indexed: bool  # indexed_read: a load at computed indices (an embedding, a gather)
+    reads_none: bool  # reads no tensor (an iota, a full): a body of no reads, computed in every reader
+    takes_inside: bool  # computes an input Inductor has not realised inside it: fusible, or a cat
 
 
 def node_facts(node: fx.Node, memo: dict) -> NodeFacts:
@@ -108,8 +110,10 @@ def node_facts(node: fx.Node, memo: dict) -> NodeFacts:
     found = memo.get(node)
     if found is None:
         base = storage_base(node)
-        found = memo[node] = NodeFacts(inlinable_op(node), fusible(node), is_view(node, base), pointwise_op(node),
-                                       _on_cpu(node), base, indexed_read(node))
+        can_fuse = fusible(node)
+        found = memo[node] = NodeFacts(inlinable_op(node), can_fuse, is_view(node, base), pointwise_op(node),
+                                       _on_cpu(node), base, indexed_read(node), not node.all_input_nodes,
+                                       can_fuse or node.target is _CAT)
     return found
 
 
@@ -155,27 +159,21 @@ def inlined_nodes(order: Iterable, inputs: Callable, users: Callable, src: Calla
         if not mine.inlinable or x in addmm:
             continue
         found = readers(x, users, src, facts)
-        if found is None or not all((facts.get(n) or node_facts(n, facts)).fusible or n.target is _CAT
-                                    for n in map(src, found)):
+        if found is None or not all((facts.get(n) or node_facts(n, facts)).takes_inside for n in map(src, found)):
             continue
-        if not mine.pointwise and _reads_a_tensor(x, inputs) and \
+        if not (mine.pointwise or mine.reads_none) and \
                 any((facts.get(n) or node_facts(n, facts)).indexed for n in map(src, found)):
             continue  # a reduction (or a copy) read at computed indices is realised first; not an
             # op that reads no tensor (an iota: Inductor computes the index inside the load)
         if len(found) <= 1:
             inlined.add(x)
-        elif mine.pointwise or mine.indexed or not _reads_a_tensor(x, inputs):  # Inductor's Pointwise IR
+        elif mine.pointwise or mine.indexed or mine.reads_none:  # Inductor's Pointwise IR
             heavy, reads = _body(x, node, inputs, src, inlined, body_of, facts)
             if not (heavy and mine.on_cpu) and len(reads) <= config.realize_reads_threshold:
                 inlined.add(x)
         if x in inlined:
             body_of[x] = _body(x, node, inputs, src, inlined, body_of, facts)
     return inlined
-
-
-def _reads_a_tensor(x, inputs: Callable) -> bool:
-    """Whether ``x`` reads any tensor (an iota, a full reads none)."""
-    return any(True for _ in inputs(x))
 
 
 def _addmm_reader(x, node: fx.Node, users: Callable, src: Callable):
