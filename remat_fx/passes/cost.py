@@ -49,6 +49,26 @@ def fusible(node: fx.Node) -> bool:
     return name in _REDUCTIONS or name in _COPIES
 
 
+def realised_reduction(node: fx.Node) -> bool:
+    """A reduction Inductor realises as a buffer of its own when it lowers it (lowering.py's
+    make_reduction), which a pointwise reader then loads as one read; not one it unrolls into a
+    pointwise sum (fewer than ``unroll_reductions_threshold`` elements reduced, to more than one
+    output on the CPU)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.overloadpacket.__name__ not in _REDUCTIONS:
+        return False
+    x = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+    out = node.meta.get("val")
+    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return True
+    from torch._inductor import config
+
+    numel, kept = concrete(x.numel()), concrete(out.numel())
+    if not kept:
+        return True
+    return numel // kept >= config.unroll_reductions_threshold or (kept == 1 and x.device.type == "cpu")
+
+
 def indexed_read(node: fx.Node) -> bool:
     """A gather, or an index by integer tensors on its input's device: a load at computed indices
     (Inductor falls back to ATen, and materialises the input, for a bool or uint8 mask or indices
