@@ -751,6 +751,7 @@ def test_inductor_liveness_reads_a_reduction_as_its_own_buffer():
         assert (y.name not in _inlined(gm)) == materialised, (width, _inlined(gm))
         assert {h.name, sq.name, mean.name, r.name} <= _inlined(gm), _inlined(gm)
 
+
 # -- peak tie-break: among plans of about the same time under the budget, the lowest peak -------
 
 def test_peak_slack_picks_the_lowest_estimated_peak_within_the_slack():

@@ -53,7 +53,7 @@ def realised_reduction(node: fx.Node) -> bool:
     """A reduction Inductor realises as a buffer of its own when it lowers it (lowering.py's
     make_reduction), which a pointwise reader then loads as one read; not one it unrolls into a
     pointwise sum (fewer than ``unroll_reductions_threshold`` elements reduced, to more than one
-    output on the CPU)."""
+    output, or to any number on a GPU)."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.overloadpacket.__name__ not in _REDUCTIONS:
         return False
@@ -66,7 +66,7 @@ def realised_reduction(node: fx.Node) -> bool:
     numel, kept = concrete(x.numel()), concrete(out.numel())
     if not kept:
         return True
-    return numel // kept >= config.unroll_reductions_threshold or (kept == 1 and x.device.type == "cpu")
+    return numel // kept >= config.unroll_reductions_threshold or (kept == 1 and x.device.type != "cuda")
 
 
 def indexed_read(node: fx.Node) -> bool:
