@@ -787,6 +787,51 @@ def test_peak_slack_picks_the_lowest_estimated_peak_within_the_slack():
     assert lowered > 0
 
 
+def test_peak_tie_break_walks_on_peaks_without_reruns_and_searches_reruns_once(monkeypatch):
+    """The tie-break's walk compares the plans of its lower targets by their estimated peak without
+    reruns; only the plan it ends on gets a rerun search (the fastest plan has its own already),
+    and that plan is taken only if its peak with reruns is lower than the fastest plan's."""
+    import remat_fx.passes.partition as partition
+    import remat_fx.passes.peak as peak
+
+    searches, calls = [0], []
+    real_search, real_lower = partition.rerun_for_peak, peak.lower_peak
+
+    def search(*args, **kwargs):
+        searches[0] += 1
+        return real_search(*args, **kwargs)
+
+    def lower(cut, budgets, first, slack):
+        before = searches[0]
+        out = real_lower(cut, budgets, first, slack)
+        calls.append((searches[0] - before, first[2], out[2]))
+        return out
+
+    monkeypatch.setattr(partition, "rerun_for_peak", search)
+    monkeypatch.setattr(partition, "lower_peak", lower)
+    monkeypatch.setattr(peak, "lower_peak", lower)
+    model, inputs = _gpt()
+    lowered = 0
+    for budget in (0.8, 0.6):  # the first lowered, the second not (eager lowering)
+        calls.clear()
+        searches[0] = 0
+        torch._dynamo.reset()
+        f = torch.compile(model, backend="remat", fullgraph=True, options={"lower": "eager", "memory_budget": budget})
+        _grads(model, inputs, f)
+        assert calls
+        for n, first, chosen in calls:
+            assert n <= 1  # the walk's last plan, and no other
+            if chosen.budget.lowered_to is not None:
+                lowered += 1
+                assert n == 1 and chosen.rerun is not None  # its peak counts its reruns
+                assert chosen.peak.step < first.peak.step
+                # the walk's plans were estimated without a rerun search each
+                assert remat.last_plan().peak_evaluations > searches[0] + 1
+            else:
+                assert chosen is first
+    assert lowered > 0
+
+
 def test_inductor_liveness_writes_a_pointwise_output_over_an_input_dying_there():
     """Inductor writes a pointwise kernel's output over an input of the same size that dies in that
     kernel (saved activations are donated to the backward): not over one still read later, nor over

@@ -93,12 +93,25 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             joint_gm, joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_indices=static_lifetime_input_indices, **kwargs)
 
-    def finish(fw, bw, plan, budgeted, fastest_s, cap=None):
-        if options.schedule:
-            plan.moved_just_in_time = schedule_recompute(bw, set(plan.recomputed_fx))
-        forward_s = sum(cost(n) for n in fw.graph.nodes if n.op == "call_function")
-        plan.step_cost_s = forward_s + sum(cost(n) for n in bw.graph.nodes if n.op == "call_function")
-        if options.rerun is True or (options.rerun == "auto" and budgeted):
+    parts: dict = {}  # the partition of a set of tags, scheduled, before reruns: made once
+
+    def partitioned(key, make):
+        """(fw, bw, plan) of the partition ``make()`` returns, scheduled and timed, made once per
+        ``key`` (its tags): the peak searches finish one partition more than once (with and without
+        reruns, under other time allowances). The plan is a copy each time; the graphs are shared,
+        as the reruns leave them as they were."""
+        if key not in parts:
+            fw, bw, plan = make()
+            if options.schedule:
+                plan.moved_just_in_time = schedule_recompute(bw, set(plan.recomputed_fx))
+            forward_s = sum(cost(n) for n in fw.graph.nodes if n.op == "call_function")
+            plan.step_cost_s = forward_s + sum(cost(n) for n in bw.graph.nodes if n.op == "call_function")
+            parts[key] = (fw, bw, plan)
+        fw, bw, plan = parts[key]
+        return fw, bw, copy.copy(plan)
+
+    def finish(fw, bw, plan, budgeted, fastest_s, cap=None, quick=False):
+        if not quick and (options.rerun is True or (options.rerun == "auto" and budgeted)):
             bw = _rerun(fw, bw, plan, num_fwd_outputs, cost, options.peak_budget if cap is None else cap,
                         _rerun_allowance(plan, fastest_s, options) if cap is None else None)
         plan.peak = estimate_peak(fw, bw, num_fwd_outputs, inline=options.lower == "inductor")
@@ -111,17 +124,18 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         budgets = budgets_of(joint, options)
 
         cuts: dict = {}  # one partition call solves a target once (the peak searches revisit them)
-        by_tags: dict = {}  # and partitions one set of tags once
+        by_tags: dict = {}  # and finishes one set of tags once per allowance, cap and quick
 
-        def cut(budgets, fastest_s=None, cap=None):
+        def cut(budgets, fastest_s=None, cap=None, quick=False):
             """(fw, bw, plan, tags) meeting ``budgets`` ({} = the plan without a budget); ``fastest_s``:
             the estimated step time of the fastest plan under the user's budget, without reruns (None:
             this is that plan), from which the time allowed to lower the peak is counted; ``cap``: an
             estimated step peak the reruns are to reach instead, whatever their time (the monotone
-            envelope's bound)."""
-            key = (tuple(sorted((str(k), repr(v)) for k, v in budgets.items())), fastest_s, cap)
+            envelope's bound); ``quick``: the partition without reruns (no rerun search), whose
+            estimated peak the tie-break's walk compares (passes/peak.py lower_peak)."""
+            key = (tuple(sorted((str(k), repr(v)) for k, v in budgets.items())), fastest_s, cap, quick)
             if key not in cuts:
-                cuts[key] = solve(budgets, fastest_s, cap)
+                cuts[key] = solve(budgets, fastest_s, cap, quick)
                 elapsed = time.perf_counter() - t0
                 if elapsed > _PROGRESS_S:
                     plan = cuts[key][2]
@@ -131,15 +145,16 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                              fmt_bytes(plan.total_bytes), fmt_bytes(plan.peak.step))
             return cuts[key]
 
-        def solve(budgets, fastest_s, cap):
+        def solve(budgets, fastest_s, cap, quick):
             if not budgets:
                 _write_tags(joint_gm, tags)
-                return (*finish(fw0, bw0, copy.copy(plan0), _peak_budgeted(options), fastest_s, cap), tags)
+                fw, bw, plan = partitioned(None, lambda: (fw0, bw0, copy.copy(plan0)))
+                return (*finish(fw, bw, plan, _peak_budgeted(options), fastest_s, cap, quick), tags)
             new_tags, report = apply_budget(joint, tags, plan0, budgets, params, cost, options)
             # the solver often gives several targets the same tags (the peak searches' targets
             # between two plans' saved bytes): the same tags make the same partition and reruns
-            same = (frozenset((n.name, t.policy) for n, t in new_tags.items()), fastest_s, cap,
-                    report.solver == "none", report.target <= report.minimum)
+            chosen = frozenset((n.name, t.policy) for n, t in new_tags.items())
+            same = (chosen, fastest_s, cap, quick, report.solver == "none", report.target <= report.minimum)
             if same in by_tags:
                 fw, bw, done, recompute_s = by_tags[same]
                 plan = copy.copy(done)
@@ -149,15 +164,18 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                 return fw, bw, plan, new_tags
             if report.solver == "none":
                 _write_tags(joint_gm, tags)
-                fw, bw, plan = fw0, bw0, copy.copy(plan0)  # its own report, the shared plan untouched
+                # its own report, the shared plan untouched
+                fw, bw, plan = partitioned(None, lambda: (fw0, bw0, copy.copy(plan0)))
             else:
-                fw, bw = min_cut()
-                plan = build_plan(joint, new_tags, fw, bw, num_fwd_outputs, params, options.lower, cost)
+                def make():
+                    fw, bw = min_cut()
+                    return fw, bw, build_plan(joint, new_tags, fw, bw, num_fwd_outputs, params, options.lower, cost)
+                fw, bw, plan = partitioned(chosen, make)
             report.achieved = plan.total_bytes
             report.estimated_cost_s = plan.recompute_cost_s
             _check_achieved(report, plan, joint, params)
             plan.budget = report
-            fw, bw, plan = finish(fw, bw, plan, True, fastest_s, cap)
+            fw, bw, plan = finish(fw, bw, plan, True, fastest_s, cap, quick)
             by_tags[same] = (fw, bw, plan, report.estimated_cost_s)
             return fw, bw, plan, new_tags
 
