@@ -145,12 +145,30 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                              fmt_bytes(plan.total_bytes), fmt_bytes(plan.peak.step))
             return cuts[key]
 
+        answers: dict = {}  # the budget solver's answer to one target, asked again with and without reruns
+
+        def solved(budgets):
+            """apply_budget's (tags, report) for ``budgets``, solved once: a fresh report each time (the
+            searches annotate theirs), the tags it wrote on the joint graph for the min-cut written again."""
+            key = tuple(sorted((str(k), repr(v)) for k, v in budgets.items()))
+            if key not in answers:
+                new_tags, report = apply_budget(joint, tags, plan0, budgets, params, cost, options)
+                answers[key] = (new_tags, report, {n: n.meta.get("recompute") for n in joint_gm.graph.nodes})
+                return new_tags, copy.copy(report)
+            new_tags, report, written = answers[key]
+            for node, policy in written.items():
+                if policy is None:
+                    node.meta.pop("recompute", None)
+                else:
+                    node.meta["recompute"] = policy
+            return new_tags, copy.copy(report)
+
         def solve(budgets, fastest_s, cap, quick):
             if not budgets:
                 _write_tags(joint_gm, tags)
                 fw, bw, plan = partitioned(None, lambda: (fw0, bw0, copy.copy(plan0)))
                 return (*finish(fw, bw, plan, _peak_budgeted(options), fastest_s, cap, quick), tags)
-            new_tags, report = apply_budget(joint, tags, plan0, budgets, params, cost, options)
+            new_tags, report = solved(budgets)
             # the solver often gives several targets the same tags (the peak searches' targets
             # between two plans' saved bytes): the same tags make the same partition and reruns
             chosen = frozenset((n.name, t.policy) for n, t in new_tags.items())
