@@ -832,6 +832,22 @@ def test_peak_tie_break_walks_on_peaks_without_reruns_and_searches_reruns_once(m
     assert lowered > 0
 
 
+@pytest.mark.xfail(strict=True, reason="the monotone envelope compares a budget with the plan of the nearest grid "
+                   "target above it before that target's own envelope: the test GPT's 0.1 keeps 182,660 bytes, the "
+                   "grid target 0.15's first plan, where budget 0.15 itself goes down to 162,180 (docs/budgets.md)")
+def test_estimated_peak_is_non_increasing_down_the_low_budgets():
+    """The issue's "monotone by construction, in the estimate": each smaller memory budget's
+    estimated step peak at most the larger one's (the test GPT, eager lowering)."""
+    model, inputs = _gpt()
+    peaks = []
+    for budget in (0.3, 0.2, 0.15, 0.1, 0.05, 0.0):
+        torch._dynamo.reset()
+        f = torch.compile(model, backend="remat", fullgraph=True, options={"lower": "eager", "memory_budget": budget})
+        _grads(model, inputs, f)
+        peaks.append(remat.last_plan().peak.step)
+    assert peaks == sorted(peaks, reverse=True), peaks
+
+
 def test_inductor_liveness_writes_a_pointwise_output_over_an_input_dying_there():
     """Inductor writes a pointwise kernel's output over an input of the same size that dies in that
     kernel (saved activations are donated to the backward): not over one still read later, nor over
