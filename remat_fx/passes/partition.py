@@ -133,7 +133,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             estimated step peak the reruns are to reach instead, whatever their time (the monotone
             envelope's bound); ``quick``: the partition without reruns (no rerun search), whose
             estimated peak the tie-break's walk compares (passes/peak.py lower_peak)."""
-            key = (tuple(sorted((str(k), repr(v)) for k, v in budgets.items())), fastest_s, cap, quick)
+            key = (_budget_key(budgets), fastest_s, cap, quick)
             if key not in cuts:
                 cuts[key] = solve(budgets, fastest_s, cap, quick)
                 elapsed = time.perf_counter() - t0
@@ -149,27 +149,21 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         answers: dict = {}  # the budget solver's answer to one target, asked again with and without reruns
 
         def solved(budgets):
-            """apply_budget's (tags, report) for ``budgets``, solved once: a fresh report each time (the
-            searches annotate theirs), the tags it wrote on the joint graph for the min-cut written again."""
-            key = tuple(sorted((str(k), repr(v)) for k, v in budgets.items()))
+            """apply_budget's (tags, report, tags it wrote on the joint graph's nodes) for ``budgets``,
+            solved once; a fresh report each time (the searches annotate theirs)."""
+            key = _budget_key(budgets)
             if key not in answers:
                 new_tags, report = apply_budget(joint, tags, plan0, budgets, params, cost, options)
                 answers[key] = (new_tags, report, {n: n.meta.get("recompute") for n in joint_gm.graph.nodes})
-                return new_tags, copy.copy(report)
             new_tags, report, written = answers[key]
-            for node, policy in written.items():
-                if policy is None:
-                    node.meta.pop("recompute", None)
-                else:
-                    node.meta["recompute"] = policy
-            return new_tags, copy.copy(report)
+            return new_tags, copy.copy(report), written
 
         def solve(budgets, fastest_s, cap, quick):
             if not budgets:
                 _write_tags(joint_gm, tags)
                 fw, bw, plan = partitioned(None, lambda: (fw0, bw0, copy.copy(plan0)))
                 return (*finish(fw, bw, plan, _peak_budgeted(options), fastest_s, cap, quick), tags)
-            new_tags, report = solved(budgets)
+            new_tags, report, written = solved(budgets)
             # the solver often gives several targets the same tags (the peak searches' targets
             # between two plans' saved bytes): the same tags make the same partition and reruns
             chosen = frozenset((n.name, t.policy) for n, t in new_tags.items())
@@ -187,6 +181,11 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                 fw, bw, plan = partitioned(None, lambda: (fw0, bw0, copy.copy(plan0)))
             else:
                 def make():
+                    for node, policy in written.items():  # the min-cut reads the solver's tags there
+                        if policy is None:
+                            node.meta.pop("recompute", None)
+                        else:
+                            node.meta["recompute"] = policy
                     fw, bw = min_cut()
                     return fw, bw, build_plan(joint, new_tags, fw, bw, num_fwd_outputs, params, options.lower, cost)
                 fw, bw, plan = partitioned(chosen, make)
@@ -258,6 +257,10 @@ def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap, allowance):
     plan.recompute_cost_s += report.cost_s
     plan.step_cost_s += report.cost_s
     return bw
+
+
+def _budget_key(budgets) -> tuple:
+    return tuple(sorted((str(k), repr(v)) for k, v in budgets.items()))
 
 
 def _write_tags(gm: fx.GraphModule, tags) -> None:
