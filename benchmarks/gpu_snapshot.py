@@ -49,8 +49,8 @@ def estimate_at_peak(fw, bw, num_fwd_outputs: int, inline: bool, top: int = 12) 
     """The storages alive at the backward's estimated peak (passes/peak.py's liveness of ``bw``)."""
     from remat_fx.passes import peak
 
-    counted, shared, _, _ = peak.backward_inputs(fw, bw, num_fwd_outputs)
-    nbytes, node, alive = peak.alive_at_peak(bw, counted, shared, inline)
+    inputs = peak.backward_inputs(fw, bw, num_fwd_outputs)
+    nbytes, node, alive = peak.alive_at_peak(bw, inputs.counted, inputs.shared, inline, inputs.kept)
     lines = [f"  backward of {len(bw.graph.nodes)} nodes: estimated peak {nbytes / 2**20:.1f} MiB at {node.name} "
              f"({node.target}); alive there:"]
     for size, k in alive[:top]:

@@ -247,10 +247,10 @@ def _rerun_allowance(plan, fastest_s, options) -> Optional[float]:
 
 def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap, allowance):
     """The backward with values recomputed a second time where that lowers the step's peak."""
-    counted, shared, held, _ = backward_inputs(fw, bw, num_fwd_outputs)
+    inputs = backward_inputs(fw, bw, num_fwd_outputs)
     inline = cost.lower == "inductor"  # liveness as Inductor runs it (pointwise ops inside their user)
-    bw, report = rerun_for_peak(bw, counted, shared, held, simulate(fw, inline=inline)[0], cost, allowance, cap,
-                                _MIN_GAIN_INDUCTOR if inline else _MIN_GAIN, inline)
+    bw, report = rerun_for_peak(bw, inputs.counted, inputs.shared, inputs.held, simulate(fw, inline=inline)[0], cost,
+                                allowance, cap, _MIN_GAIN_INDUCTOR if inline else _MIN_GAIN, inline, kept=inputs.kept)
     plan.rerun = report
     plan.backward_flops += report.flops
     plan.recompute_flops += report.flops
