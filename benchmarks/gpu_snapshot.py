@@ -50,7 +50,7 @@ def estimate_at_peak(fw, bw, num_fwd_outputs: int, inline: bool, top: int = 12) 
     from remat_fx.passes import peak
 
     inputs = peak.backward_inputs(fw, bw, num_fwd_outputs)
-    nbytes, node, alive = peak.alive_at_peak(bw, inputs.counted, inputs.shared, inline, inputs.kept)
+    nbytes, node, alive = peak.alive_at_peak(bw, inputs.counted, inputs.shared, inline, inputs.donated)
     lines = [f"  backward of {len(bw.graph.nodes)} nodes: estimated peak {nbytes / 2**20:.1f} MiB at {node.name} "
              f"({node.target}); alive there:"]
     for size, k in alive[:top]:

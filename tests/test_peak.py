@@ -560,7 +560,8 @@ def test_inductor_liveness_computes_lone_pointwise_ops_inside_their_reader():
     assert simulate(gm, set(), inline=True) == (n + small, small)
     # `a` counted (a saved activation, donated to the backward): it lives until cos, which reads it
     # through sin and, of its size and dying there, is written over it (in place)
-    assert simulate(gm, {"a"}, inline=True) == (n + small, small)
+    assert simulate(gm, {"a"}, inline=True, donated={"a"}) == (n + small, small)
+    assert simulate(gm, {"a"}, inline=True) == (2 * n, small)  # not donated: cos's output beside it
     assert simulate(gm, {"a"}) == (2 * n, small)  # op by op: a, sin at sin
     x, wt = torch.randn(4, 4), torch.randn(4, 1)
     torch.testing.assert_close(gm(x, wt)[0], torch.exp(torch.cos(torch.sin(x)) @ wt))
@@ -869,10 +870,12 @@ def test_inductor_liveness_writes_a_pointwise_output_over_an_input_dying_there()
 
     n, small = 4 * 4 * 4, 4 * 4
     # at the add: a (written over by the add's output) and c; then the add's output and mm's
-    assert simulate(graph(False), {"a", "c"}, inline=True)[0] == n + small
+    assert simulate(graph(False), {"a", "c"}, inline=True, donated={"a", "c"})[0] == n + small
     assert simulate(graph(False), {"a", "c"})[0] == 2 * n + small  # op by op: a, c and the add's output
+    # a not donated (a tangent, or a forward output the caller holds): not written over
+    assert simulate(graph(False), {"a", "c"}, inline=True)[0] == 2 * n + small
     # a read again by the last op: not written over
-    assert simulate(graph(True), {"a", "c"}, inline=True)[0] == 2 * n + small
+    assert simulate(graph(True), {"a", "c"}, inline=True, donated={"a", "c"})[0] == 2 * n + small
 
 
 def test_inductor_liveness_runs_an_mm_read_by_an_add_as_an_addmm():

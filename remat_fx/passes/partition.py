@@ -255,7 +255,7 @@ def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap, allowance):
     inputs = backward_inputs(fw, bw, num_fwd_outputs)
     inline = cost.lower == "inductor"  # liveness as Inductor runs it (pointwise ops inside their user)
     bw, report = rerun_for_peak(bw, inputs.counted, inputs.shared, inputs.held, simulate(fw, inline=inline)[0], cost,
-                                allowance, cap, _MIN_GAIN_INDUCTOR if inline else _MIN_GAIN, inline, kept=inputs.kept)
+                                allowance, cap, _MIN_GAIN_INDUCTOR if inline else _MIN_GAIN, inline, donated=inputs.donated)
     plan.rerun = report
     plan.backward_flops += report.flops
     plan.recompute_flops += report.flops

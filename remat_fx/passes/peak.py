@@ -235,16 +235,14 @@ def pointwise_op(node: fx.Node) -> bool:
         and torch.Tag.pointwise in node.target.tags and not node.target.is_view
 
 
-def own_buffer(key) -> bool:
-    """A storage Inductor may write over: one of its buffers or a donated graph input (a saved
-    activation: a ``shared`` key, or a counted placeholder), not a tangent (never donated) nor the
-    output of an op returning several tensors. Saved activations that are not donated are named in
-    ``kept`` (``backward_inputs``)."""
+def own_buffer(key, donated: Set = frozenset()) -> bool:
+    """A storage Inductor may write over: one of its own buffers, not the output of an op returning
+    several tensors, or a graph input (a placeholder, or a ``shared`` key) AOTAutograd donates to
+    the backward: its key in ``donated`` (``backward_inputs``; Inductor's wrapper reuses no other
+    input, tangents included)."""
     node = getattr(key, "src", key)
-    if not isinstance(node, fx.Node):
-        return True
-    if node.op == "placeholder":
-        return not str(node.target).startswith("tangents")
+    if not isinstance(node, fx.Node) or node.op == "placeholder":
+        return key in donated
     return node.target is not operator.getitem
 
 
@@ -284,13 +282,13 @@ def reads_through(x, inputs: Callable, inlined: Set, memo: dict) -> Set:
 
 
 def liveness(n: int, storages: Dict[object, Tuple[int, int]], reads: List[Iterable], outputs: Set,
-             writers: Optional[Set] = None, kept: Set = frozenset()) -> tuple:
+             writers: Optional[Set] = None, donated: Set = frozenset()) -> tuple:
     """(bytes live at each of positions 0..n, last use of each storage) of a program of ``n``
     positions: ``storages`` {key: (position allocated, bytes)}, ``reads[i]`` the keys position ``i``
     reads (its own output included), ``outputs`` the keys alive to the end (position ``n``). A
     storage is alive from its allocation while its last reader runs. ``writers`` (Inductor): the
-    storages its pointwise kernels make, which may be written in place (``_in_place``) over any
-    input but those in ``kept``."""
+    storages its pointwise kernels make, which may be written in place (``_in_place``) over a
+    storage of their own or an input in ``donated``."""
     last: Dict[object, int] = {k: start for k, (start, _) in storages.items()}
     for i, keys in enumerate(reads):
         for k in keys:
@@ -298,7 +296,7 @@ def liveness(n: int, storages: Dict[object, Tuple[int, int]], reads: List[Iterab
                 last[k] = i
     for k in outputs:
         last[k] = n
-    starts = _in_place(storages, reads, last, writers, kept) if writers else {}
+    starts = _in_place(storages, reads, last, writers, donated) if writers else {}
     events = [0] * (n + 2)
     for k, (start, nbytes) in storages.items():
         events[starts.get(k, start)] += nbytes
@@ -310,12 +308,11 @@ def liveness(n: int, storages: Dict[object, Tuple[int, int]], reads: List[Iterab
     return live, last
 
 
-def _in_place(storages, reads, last, writers: Set, kept: Set = frozenset()) -> Dict[object, int]:
+def _in_place(storages, reads, last, writers: Set, donated: Set = frozenset()) -> Dict[object, int]:
     """Inductor writes a pointwise kernel's output over an input of the same size that dies in
     that kernel (``inplace_buffers``): one of its own buffers, or a graph input AOTAutograd donates
-    to the backward (a saved activation whose storage is not also a forward output: ``kept`` holds
-    those that are; tangents never are, ``own_buffer``). The output takes no memory of its own
-    until the input's is free. {storage: position its own memory starts} for the outputs written
+    to the backward (``donated``: ``own_buffer``). The output takes no memory of its own until the
+    input's is free. {storage: position its own memory starts} for the outputs written
     in place."""
     moved: Dict[object, int] = {}
     taken: Set = set()
@@ -325,7 +322,7 @@ def _in_place(storages, reads, last, writers: Set, kept: Set = frozenset()) -> D
             continue
         for r in reads[start]:
             if r is not k and r not in taken and last[r] == start and storages[r][1] == nbytes \
-                    and storages[r][0] < start and own_buffer(r) and r not in kept:
+                    and storages[r][0] < start and own_buffer(r, donated):
                 taken.add(r)
                 moved[k] = start + 1
                 break
@@ -333,31 +330,31 @@ def _in_place(storages, reads, last, writers: Set, kept: Set = frozenset()) -> D
 
 
 def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,
-             inline: bool = False, kept: Iterable[str] = ()) -> tuple:
+             inline: bool = False, donated: Iterable[str] = ()) -> tuple:
     """(peak bytes, bytes live at the end) of running ``gm`` op by op; placeholders named in
     ``counted_inputs`` are live from the start (and freed after their last use, or at the end:
     ``held_to_end``), others are free.
     ``shared`` maps placeholder names to a storage key: placeholders that are views of one storage
     (saved views of one forward tensor) count once, until the last use of any of them. ``inline``
     (the Inductor lowering): ``inlined_nodes`` take no memory, and their inputs live until the
-    user they are computed inside, and a pointwise kernel may write over an input that dies in it,
-    except a tangent or a placeholder named in ``kept`` (saved, not donated: ``backward_inputs``)."""
-    _, storages, outputs, live, _ = _timeline(gm, counted_inputs, shared, inline, kept)
+    user they are computed inside, and a pointwise kernel may write over an input that dies in it
+    if it is a placeholder named in ``donated`` (saved and donated to the backward: ``backward_inputs``)."""
+    _, storages, outputs, live, _ = _timeline(gm, counted_inputs, shared, inline, donated)
     return max(live), sum(storages[k][1] for k in outputs if k in storages)
 
 
 def alive_at_peak(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,
-                  inline: bool = False, kept: Iterable[str] = ()) -> Tuple[int, fx.Node, List[Tuple[int, object]]]:
+                  inline: bool = False, donated: Iterable[str] = ()) -> Tuple[int, fx.Node, List[Tuple[int, object]]]:
     """(bytes at the peak of ``simulate``, the node it is reached at, [(bytes, storage) alive
     there, largest first]): a storage is the node that made it, or a placeholder's ``shared`` key."""
-    nodes, storages, _, live, last = _timeline(gm, counted_inputs, shared, inline, kept)
+    nodes, storages, _, live, last = _timeline(gm, counted_inputs, shared, inline, donated)
     t = max(range(len(live)), key=live.__getitem__)
     alive = [(nbytes, k) for k, (start, nbytes) in storages.items() if nbytes and start <= t <= last[k]]
     return live[t], nodes[min(t, len(nodes) - 1)], sorted(alive, key=lambda a: -a[0])
 
 
 def _timeline(gm: fx.GraphModule, counted_inputs: Iterable[str], shared: Optional[Dict[str, str]], inline: bool,
-              kept: Iterable[str] = ()):
+              donated: Iterable[str] = ()):
     """(nodes, {storage: (position, bytes)}, storages alive to the end, bytes live per position,
     last position of each storage) of ``simulate``."""
     counted, shared = set(counted_inputs), shared or {}
@@ -387,9 +384,9 @@ def _timeline(gm: fx.GraphModule, counted_inputs: Iterable[str], shared: Optiona
     fx.node.map_arg(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args,
                     lambda n: outputs.add(key(n)))
     writers = {key(n) for n in nodes if n not in inlined and pointwise_op(n)} if inline else None
-    kept = set(kept)
+    donated = set(donated)
     live, last = liveness(len(nodes), storages, reads, outputs, writers,
-                          {key(n) for n in nodes if n.op == "placeholder" and n.name in kept})
+                          {key(n) for n in nodes if n.op == "placeholder" and n.name in donated})
     return nodes, storages, outputs, live, last
 
 
@@ -415,8 +412,8 @@ class BackwardInputs(NamedTuple):
     shared: Dict[str, str]  # saved placeholder -> the forward storage it is (views of one storage count once)
     held: int  # bytes of the forward's other outputs held through the backward
     saved: int  # bytes of the storages the forward saves
-    kept: Set[str]  # saved placeholders Inductor may not write over: not donated (their storage is also a
-    # forward output, which the caller holds, or a backward output)
+    donated: Set[str]  # saved placeholders Inductor may write over: donated to the backward (their storage
+    # is neither a forward input or output, which the caller holds, nor a backward output)
 
 
 def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> BackwardInputs:
@@ -436,16 +433,16 @@ def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     bw_outputs: List[fx.Node] = []
     fx.node.map_arg(next(n for n in reversed(bw.graph.nodes) if n.op == "output").args, bw_outputs.append)
     returned = {storage_base(n).name for n in bw_outputs if storage_base(n).op == "placeholder"}
-    kept = {n.name for n in saved if storage_base(n) in user_outputs or n.name in returned}
-    if not getattr(torch._functorch.config, "donated_buffer", True):
-        kept = {n.name for n in saved}
-    return BackwardInputs(counted, shared, held, sum(storage_bytes(b) for b in saved_bases), kept)
+    not_donated = user_outputs | {storage_base(n) for n in saved if n.name in returned}  # by storage, as AOTAutograd
+    donated = {n.name for n in saved if storage_base(n) in saved_bases - not_donated} \
+        if getattr(torch._functorch.config, "donated_buffer", True) else set()
+    return BackwardInputs(counted, shared, held, sum(storage_bytes(b) for b in saved_bases), donated)
 
 
 def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inline: bool = False) -> PeakEstimate:
-    counted, shared, held, saved, kept = backward_inputs(fw, bw, num_fwd_outputs)
+    counted, shared, held, saved, donated = backward_inputs(fw, bw, num_fwd_outputs)
     fw_peak, _ = simulate(fw, inline=inline)
-    bw_peak, _ = simulate(bw, counted, shared, inline=inline, kept=kept)
+    bw_peak, _ = simulate(bw, counted, shared, inline=inline, donated=donated)
     return PeakEstimate(forward=fw_peak, backward=held + bw_peak, saved=saved, held=held)
 
 

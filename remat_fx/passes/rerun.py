@@ -96,7 +96,7 @@ def _rerunnable(node: fx.Node) -> bool:
 
 class _Program:
     def __init__(self, bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str], inline: bool,
-                 kept: Set[str] = frozenset()):
+                 donated: Set[str] = frozenset()):
         self.items: List[_Item] = []
         made: Dict[fx.Node, _Item] = {}
         reads_tangent: Set[fx.Node] = set()
@@ -109,7 +109,7 @@ class _Program:
                 reads_tangent.add(node)
         self.rerunnable = {n for n in made if n not in reads_tangent and _rerunnable(n)}
         self.counted, self.shared, self.inline = counted, shared, inline
-        self.kept_items = [item for item in self.items if item.src.op == "placeholder" and item.src.name in kept]
+        self.donated = [item for item in self.items if item.src.op == "placeholder" and item.src.name in donated]
         # an item's storage root depends only on the item (never mutated) and ``shared``: one memo
         # for every program the search tries
         self.roots: Dict[_Item, object] = {}
@@ -192,7 +192,7 @@ class _Program:
         writers = {roots[i] for i, item in enumerate(items[:end])
                    if item not in inlined and node_facts(item.src, self.facts).pointwise} \
             if self.inline else None
-        live, last = liveness(end, storages, reads[:end], outputs, writers, {memo[item] for item in self.kept_items})
+        live, last = liveness(end, storages, reads[:end], outputs, writers, {memo[item] for item in self.donated})
         start = {k: v[0] for k, v in storages.items()}
         size = {k: v[1] for k, v in storages.items()}
         return live, roots, start, last, uses, size, inlined, position
@@ -208,7 +208,7 @@ class _State:
 def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str], held: int, floor: int,
                    cost: Callable[[fx.Node], float], allowance: Optional[float] = None, cap: Optional[int] = None,
                    min_gain: float = 0.0, inline: bool = False, max_closure: int = 256,
-                   tries: int = 6, patience: int = 40, max_reruns: int = 2000, kept: Set[str] = frozenset()):
+                   tries: int = 6, patience: int = 40, max_reruns: int = 2000, donated: Set[str] = frozenset()):
     """(backward graph with the reruns, RerunReport); ``bw`` itself is left as it was.
     ``counted``/``shared``: as passes/peak.simulate; ``held``: bytes the forward leaves alive beyond
     the backward's inputs (its other outputs); ``floor``: the forward's peak (the step's peak cannot
@@ -216,9 +216,9 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     step, None for the lowest peak found whatever it costs; ``cap``: a peak_budget; ``min_gain``:
     without a cap, reruns are kept only if they lower the estimated peak by at least this fraction
     (the estimate's error under the lowering); ``inline``: liveness as under Inductor
-    (passes/peak.simulate); ``kept``: saved placeholders not donated (passes/peak.backward_inputs)."""
+    (passes/peak.simulate); ``donated``: saved placeholders donated to it (passes/peak.backward_inputs)."""
     t0 = time.perf_counter()
-    prog = _Program(bw, counted, shared, inline, kept)
+    prog = _Program(bw, counted, shared, inline, donated)
     report = RerunReport(allowance_s=allowance)
 
     def state():
