@@ -1086,3 +1086,51 @@ def test_a_budgets_lowering_keeps_the_order_the_schedule_gave_it():
     assert peaks["remat"] <= peaks["torch"], peaks
     for a, b in zip(grads["remat"], grads["torch"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _walk(peaks: dict, seconds: dict = None):
+    """lower_peak over a stand-in for partition's ``cut``: ``peaks`` maps each saved-bytes target
+    (of a 1,000-byte budget) to the estimated peak of its plan; returns (plan chosen, targets
+    partitioned in order, with True where the partition ran its rerun search)."""
+    from types import SimpleNamespace
+
+    from remat_fx.memory_budget import Budget
+    from remat_fx.passes.peak import lower_peak
+    from remat_fx.passes.plan import BudgetReport
+
+    seconds = seconds or {}
+    cuts = []
+
+    def cut(budgets, fastest_s=None, quick=False):
+        target = budgets[None].nbytes or 1000
+        cuts.append((target, not quick))
+        report = BudgetReport(budget="0.5", target=target, achieved=target, minimum=100, maximum=2000,
+                              solver="ilp", solve_seconds=0.0, estimated_cost_s=0.0)
+        plan = SimpleNamespace(budget=report, step_cost_s=seconds.get(target, 1.0), rerun=None,
+                               peak=SimpleNamespace(step=peaks[target]))
+        return None, None, plan
+
+    first = cut({None: Budget(nbytes=1000)})
+    cuts.clear()
+    chosen = lower_peak(cut, {None: Budget(nbytes=1000)}, first, slack=0.03)
+    return chosen[2], cuts
+
+
+def test_peak_tie_break_solves_its_last_target_first_and_ends_there_when_it_is_lower():
+    """The walk over saved-bytes targets 0.95 / 0.9 / 0.85 / 0.8 of the budget's solves 0.8 first:
+    lower than the fastest plan, the walk ends there (one partition, then its rerun search);
+    otherwise it goes from 0.95 and stops at the first target that does not lower the peak; a target
+    slower than the slack allows, or none lower, keeps the fastest plan."""
+    # 0.8 lower than the fastest plan: one partition of the walk, then that target with its reruns
+    plan, cuts = _walk({1000: 500, 950: 480, 900: 470, 850: 460, 800: 450})
+    assert cuts == [(1000, False), (800, False), (800, True)]
+    assert plan.budget.lowered_to == 800 and plan.peak.step == 450
+    assert plan.budget.target == 1000 and plan.budget.fastest_peak == 500
+    # 0.8 not lower: the walk from 0.95, ending at the first miss (0.85), keeps 0.9
+    plan, cuts = _walk({1000: 500, 950: 480, 900: 470, 850: 475, 800: 510})
+    assert cuts == [(1000, False), (800, False), (950, False), (900, False), (850, False), (900, True)]
+    assert plan.budget.lowered_to == 900 and plan.peak.step == 470
+    # 0.8 lower but over the time slack (3%): not taken; nor is 0.95, no lower than the fastest
+    plan, cuts = _walk({1000: 500, 950: 500, 900: 400, 850: 400, 800: 400}, seconds={800: 1.05})
+    assert cuts == [(1000, False), (800, False), (950, False)]
+    assert plan.budget.lowered_to is None and plan.peak.step == 500
