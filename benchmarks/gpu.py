@@ -80,7 +80,11 @@ def run_variant(label, args, compile_fn=None, checkpointing=False, fit=None):
     STEP.reset()
     model, ids = build(args)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5.x's name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:  # deprecated in transformers 5, removed in 6
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     fn = model if compile_fn is None else compile_fn(model)
     step = make_step(model, fn, ids, args.device, args.bf16)
     row = {"variant": label}
