@@ -678,3 +678,66 @@ def test_fit_under_fsdp2_decides_on_every_rank_s_measurements_together():
         assert all(none for _, none in r["seen"]), f"rank {rank}: sharded gradients alive at a measurement"
         assert r["err"] < 1e-5, f"rank {rank}: gradients off by {r['err']:.2e}"
         assert r["infeasible"] is not None and "no plan measured a step peak at or under" in r["infeasible"], r
+
+
+# -- FSDP2 with a bf16 mixed-precision policy ----------------------------------------------------
+
+def _shard_mixed(net: Net, compile_options=None):
+    """``shard`` with FSDP2's MixedPrecisionPolicy: parameters all-gathered in bf16, so each block's
+    graph computes and saves bf16 activations; gradients reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in net.blocks:
+        fully_shard(block, mp_policy=policy)
+        if compile_options is not None:
+            block.compile(backend="remat", options=compile_options)
+    fully_shard(net, mp_policy=policy)
+    return net
+
+
+def _mixed_precision_worker(rank):
+    x = batch(rank)
+    torch._dynamo.reset()
+    model = _shard_mixed(Net())
+    step(model, x)
+    eager = full_grads(model)
+    results = {}
+    for label in ("none", "0.3", "0"):
+        torch._dynamo.reset()
+        model = _shard_mixed(Net(), dict(lower="eager", **BUDGETS[label]))
+        step(model, x)
+        report = remat.step_report()
+        results[label] = dict(grads=full_grads(model), calls=len(report.calls), plans=[
+            (plan.total_bytes, None if plan.budget is None else plan.budget.target,
+             sorted({(str(s.dtype), s.name, s.bytes) for s in plan.saved if s.bytes})) for _, plan, _ in report.calls])
+    torch._dynamo.reset()
+    model = shard(Net(), dict(lower="eager"))  # fp32, no budget: what the same blocks save without the policy
+    step(model, x)
+    fp32 = [plan.total_bytes for _, plan, _ in remat.step_report().calls]
+    return dict(eager=eager, results=results, fp32=fp32)
+
+
+def test_fsdp2_with_a_bf16_mixed_precision_policy():
+    """FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, each block
+    compiled with backend="remat": per rank, every budget gives the gradients of the same compiled
+    model without a budget, and those of eager FSDP2 under the policy to bf16's precision; each
+    block's plan saves bf16 activations (and the LayerNorm's fp32 statistics), within its budget,
+    half the bytes the same blocks save in fp32 without a budget."""
+    for rank, r in enumerate(run_ranks(_mixed_precision_worker, timeout=150)):
+        where = f"rank {rank}"
+        plain = r["results"]["none"]
+        assert plain["calls"] == len(Net().blocks), (where, plain)
+        assert grad_error(plain["grads"], r["eager"]) < 5e-2, where  # bf16 compute, compiled vs eager
+        for label, res in r["results"].items():
+            assert grad_error(res["grads"], plain["grads"]) < 1e-6, (where, label)
+            for saved, target, values in res["plans"]:
+                # bf16, but for the LayerNorm's statistics (one fp32 per token: its accumulation type)
+                assert all(dtype == "torch.bfloat16" or (name.startswith("ln.") and nbytes <= B * T * 4)
+                           for dtype, name, nbytes in values), (where, label, values)
+                assert target is None or saved <= target, (where, label, saved, target)
+        # the policy halves what each block saves without a budget; at budget 0 a block saves its
+        # input alone, which FSDP2 has cast to bf16 (cast_forward_inputs)
+        assert [2 * p[0] for p in plain["plans"]] == r["fp32"], (where, plain["plans"], r["fp32"])
+        assert [p[0] for p in r["results"]["0"]["plans"]] == [B * T * D * 2] * len(Net().blocks), where
+        assert r["results"]["0"]["plans"][0][0] < r["results"]["0.3"]["plans"][0][0] < plain["plans"][0][0], where
