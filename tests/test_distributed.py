@@ -715,7 +715,19 @@ def _mixed_precision_worker(rank):
     model = shard(Net(), dict(lower="eager"))  # fp32, no budget: what the same blocks save without the policy
     step(model, x)
     fp32 = [plan.total_bytes for _, plan, _ in remat.step_report().calls]
-    return dict(eager=eager, results=results, fp32=fp32)
+    # the eager runtime under the policy, with dropout and per-rank seeds: remat.checkpoint inside
+    # each fully_shard-ed block and around it, recomputing everything or saving the up projections
+    torch._dynamo.reset()
+    model = _shard_mixed(Net(p=0.25))
+    step(model, x, seed=11 + rank)
+    plain_dropout = full_grads(model)
+    regions = {}
+    for label, region in (("recompute", {}), ("save glob", {"save": ["*up"]})):
+        for outside in (False, True):
+            model = _shard_mixed(Net(p=0.25, region=region, outside=outside))
+            step(model, x, seed=11 + rank)
+            regions[f"{label}{', around the block' if outside else ''}"] = grad_error(full_grads(model), plain_dropout)
+    return dict(eager=eager, results=results, fp32=fp32, regions=regions)
 
 
 def test_fsdp2_with_a_bf16_mixed_precision_policy():
@@ -723,7 +735,9 @@ def test_fsdp2_with_a_bf16_mixed_precision_policy():
     compiled with backend="remat": per rank, every budget gives the gradients of the same compiled
     model without a budget, and those of eager FSDP2 under the policy to bf16's precision; each
     block's plan saves bf16 activations (and the LayerNorm's fp32 statistics), within its budget,
-    half the bytes the same blocks save in fp32 without a budget."""
+    half the bytes the same blocks save in fp32 without a budget. The eager runtime's regions,
+    inside the blocks and around them, give the gradients of the run without regions under the
+    policy, dropout included, bit for bit."""
     for rank, r in enumerate(run_ranks(_mixed_precision_worker, timeout=150)):
         where = f"rank {rank}"
         plain = r["results"]["none"]
@@ -741,3 +755,6 @@ def test_fsdp2_with_a_bf16_mixed_precision_policy():
         assert [2 * p[0] for p in plain["plans"]] == r["fp32"], (where, plain["plans"], r["fp32"])
         assert [p[0] for p in r["results"]["0"]["plans"]] == [B * T * D * 2] * len(Net().blocks), where
         assert r["results"]["0"]["plans"][0][0] < r["results"]["0.3"]["plans"][0][0] < plain["plans"][0][0], where
+        # the eager runtime recomputes under the policy, dropout replayed: the gradients bit for bit
+        assert r["regions"] == {"recompute": 0.0, "recompute, around the block": 0.0, "save glob": 0.0,
+                                "save glob, around the block": 0.0}, (where, r["regions"])
