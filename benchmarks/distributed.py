@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 benchmarks/distributed.py [--budgets 1,0.5,0.3,0] [--steps 10]
              [--rounds 3] [--layers 4] [--d-model 128] [--seq 64] [--batch 4] [--lower inductor]
+             [--mixed-precision]
 
 The example GPT (examples/gpt.py, no annotations: the budget decides), every block
 ``fully_shard``-ed and compiled, the root ``fully_shard``-ed; 2 ranks, gloo on CPU. Both systems
@@ -50,7 +51,7 @@ import torch.distributed as dist
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -69,17 +70,20 @@ def torch_backend():
                         partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
 
 
-def build(system: str, budget: float, cfg: GPTConfig, lower: str = "eager"):
+def build(system: str, budget: float, cfg: GPTConfig, lower: str = "eager", mixed: bool = False):
     # "checkpoint": torch.utils.checkpoint around each block (the model's forward), PyTorch's partitioner
+    # mixed: FSDP2's MixedPrecisionPolicy, parameters all-gathered in bf16, gradients reduced in fp32
     model = make_model(cfg, "torch" if system == "checkpoint" else "none", "recompute_all")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed \
+        else MixedPrecisionPolicy()
     for block in model.blocks:
-        fully_shard(block)
+        fully_shard(block, mp_policy=policy)
         if system in ("torch", "checkpoint"):
             block.compile(backend=torch_backend() if lower == "eager" else "inductor")
         else:
             options = {"lower": lower} if budget >= 1 else {"lower": lower, "memory_budget": budget}
             block.compile(backend="remat", options=options)
-    fully_shard(model)
+    fully_shard(model, mp_policy=policy)
     return model
 
 
@@ -154,6 +158,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lower", default="eager", choices=["eager", "inductor"],
                    help="both systems' lowering: the partitioned graphs run op by op, or Inductor's C++")
+    p.add_argument("--mixed-precision", action="store_true",
+                   help="FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) on every unit")
     p.add_argument("--accumulation", action="store_true",
                    help="remat's peak in each kind of step, with the backwards' limits and every rerun kept")
     args = p.parse_args(argv)
@@ -173,7 +179,7 @@ def main(argv=None) -> None:
     for round_ in range(args.rounds):
         for system, b in (variants if round_ % 2 == 0 else variants[::-1]):
             torch._dynamo.reset()  # each variant compiles its own graphs (a reset drops every earlier one)
-            model = build(system, b, cfg, args.lower)
+            model = build(system, b, cfg, args.lower, args.mixed_precision)
 
             def step(model=model):
                 model(idx, targets).backward()
@@ -198,7 +204,8 @@ def main(argv=None) -> None:
     dist.all_gather_object(every, mine)
     if rank == 0:
         lines = [f"FSDP2, {world} ranks (gloo, CPU, {torch.get_num_threads()} thread(s) each), GPT {args.layers} "
-                 f"layers, d_model {args.d_model}, seq {args.seq}, batch {args.batch} per rank, {args.lower} lowering; "
+                 f"layers, d_model {args.d_model}, seq {args.seq}, batch {args.batch} per rank, {args.lower} lowering"
+                 f"{', bf16 mixed-precision policy' if args.mixed_precision else ''}; "
                  f"torch {torch.__version__}; {args.rounds} round(s) of {args.steps} steps per variant "
                  f"(rank 0's times: median over rounds of each round's median)", "",
                  "| budget | " + " | ".join(f"rank {r} peak torch | rank {r} peak remat" for r in range(world))
