@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 examples/train_distributed.py
     torchrun --nproc_per_node 2 examples/train_distributed.py --budget 0 --steps 4
+    torchrun --nproc_per_node 2 examples/train_distributed.py --mixed-precision   # bf16 params, fp32 reduce
 
 CPU: gloo, one process per rank. CUDA (when available): nccl, one GPU per rank, unchanged.
 Each block is ``fully_shard``-ed and compiled with ``backend="remat"`` (torchtitan's layout:
@@ -17,7 +18,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import remat_fx as remat
 from gpt import GPTConfig, make_model, random_batch  # examples/gpt.py (this script's folder is on sys.path)
@@ -35,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--lower", choices=("eager", "inductor"), default=None,
                    help="remat's lowering (default: inductor on CUDA, eager on CPU, where Inductor's first "
                         "compile takes minutes)")
+    p.add_argument("--mixed-precision", action="store_true",
+                   help="FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), torchtitan's "
+                        "default: parameters all-gathered in bf16, so activations are bf16; gradients reduced in fp32")
     return p.parse_args(argv)
 
 
@@ -63,16 +67,19 @@ def main(argv=None) -> None:
     cfg = GPTConfig(vocab=512, seq=args.seq, d_model=args.d_model, n_head=4, n_layer=args.layers)
     with torch.device(device):
         model = make_model(cfg, "none", "recompute_all")  # no annotations: the budget decides
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if args.mixed_precision else MixedPrecisionPolicy()
     for block in model.blocks:
-        fully_shard(block)
+        fully_shard(block, mp_policy=policy)
         block.compile(backend="remat", options=options)
-    fully_shard(model)
+    fully_shard(model, mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     idx, targets = (t.to(device) for t in random_batch(cfg, args.batch, seed=rank))  # each rank its own data
 
     if rank == 0:
         print(f"{world} ranks ({'nccl, CUDA' if cuda else 'gloo, CPU'}), GPT {args.layers} layers, d_model "
-              f"{args.d_model}, seq {args.seq}, batch {args.batch} per rank; options {options}", flush=True)
+              f"{args.d_model}, seq {args.seq}, batch {args.batch} per rank"
+              f"{', bf16 mixed precision' if args.mixed_precision else ''}; options {options}", flush=True)
     for step in range(args.steps):
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -85,7 +92,7 @@ def main(argv=None) -> None:
         if cuda:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
-        mean = loss.detach().clone()
+        mean = loss.detach().float()  # a copy, in fp32 (the loss is bf16 under --mixed-precision)
         dist.all_reduce(mean)
         peak = f", measured peak {torch.cuda.max_memory_allocated(device) / 2**20:.2f} MiB" if cuda else ""
         if rank == 0:

@@ -486,9 +486,11 @@ def test_compiled_under_ddp_and_fsdp2(engine):
                                            "limit, which this rank could"), f"{where}: {error}"
 
 
-def test_train_distributed_example_runs_under_torchrun():
+@pytest.mark.parametrize("precision", [[], ["--mixed-precision"]], ids=["fp32", "bf16 policy"])
+def test_train_distributed_example_runs_under_torchrun(precision):
     """examples/train_distributed.py (FSDP2 + backend="remat" + a memory budget), shrunk, under
-    torchrun with 2 gloo ranks: it trains and every rank reports its step plan."""
+    torchrun with 2 gloo ranks, in fp32 and under FSDP2's bf16 mixed-precision policy: it trains
+    and every rank reports its step plan."""
     import os
     import subprocess
     import sys
@@ -497,7 +499,7 @@ def test_train_distributed_example_runs_under_torchrun():
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
            str(root / "examples" / "train_distributed.py"), "--steps", "2", "--layers", "1", "--d-model", "64",
-           "--seq", "16", "--budget", "0.3"]
+           "--seq", "16", "--budget", "0.3", *precision]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -509,6 +511,7 @@ def test_train_distributed_example_runs_under_torchrun():
         pytest.fail(f"examples/train_distributed.py still running after 120 s: killed\n{out[-3000:]}")
     assert proc.returncode == 0, out[-3000:]
     assert "step 1: loss" in out, out[-3000:]
+    assert ("bf16 mixed precision" in out) == bool(precision), out[-3000:]
     for rank in range(WORLD):
         assert f"rank {rank}: 1 call of 1 compiled graph," in out and "memory_budget 0.3" in out, out[-3000:]
 
