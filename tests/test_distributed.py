@@ -95,14 +95,18 @@ def grad_error(got: dict, want: dict) -> float:
     return max(((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-12)).item() for k in want)
 
 
-def shard(net: Net, compile_options=None, whole: bool = False):
-    from torch.distributed.fsdp import fully_shard
+def shard(net: Net, compile_options=None, whole: bool = False, mixed: bool = False):
+    """FSDP2 per block and on the root; ``mixed``: FSDP2's bf16 MixedPrecisionPolicy on every unit
+    (parameters all-gathered in bf16, so the blocks compute and save bf16; gradients reduced in fp32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed \
+        else MixedPrecisionPolicy()
     for block in net.blocks:
-        fully_shard(block)
+        fully_shard(block, mp_policy=policy)
         if compile_options is not None and not whole:
             block.compile(backend="remat", options=compile_options)
-    fully_shard(net)
+    fully_shard(net, mp_policy=policy)
     if compile_options is not None and whole:
         return torch.compile(net, backend="remat", options=compile_options)
     return net
@@ -685,30 +689,16 @@ def test_fit_under_fsdp2_decides_on_every_rank_s_measurements_together():
 
 # -- FSDP2 with a bf16 mixed-precision policy ----------------------------------------------------
 
-def _shard_mixed(net: Net, compile_options=None):
-    """``shard`` with FSDP2's MixedPrecisionPolicy: parameters all-gathered in bf16, so each block's
-    graph computes and saves bf16 activations; gradients reduced in fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in net.blocks:
-        fully_shard(block, mp_policy=policy)
-        if compile_options is not None:
-            block.compile(backend="remat", options=compile_options)
-    fully_shard(net, mp_policy=policy)
-    return net
-
-
 def _mixed_precision_worker(rank):
     x = batch(rank)
     torch._dynamo.reset()
-    model = _shard_mixed(Net())
+    model = shard(Net(), mixed=True)
     step(model, x)
     eager = full_grads(model)
     results = {}
     for label in ("none", "0.3", "0"):
         torch._dynamo.reset()
-        model = _shard_mixed(Net(), dict(lower="eager", **BUDGETS[label]))
+        model = shard(Net(), mixed=True, compile_options=dict(lower="eager", **BUDGETS[label]))
         step(model, x)
         report = remat.step_report()
         results[label] = dict(grads=full_grads(model), calls=len(report.calls), plans=[
@@ -721,13 +711,13 @@ def _mixed_precision_worker(rank):
     # the eager runtime under the policy, with dropout and per-rank seeds: remat.checkpoint inside
     # each fully_shard-ed block and around it, recomputing everything or saving the up projections
     torch._dynamo.reset()
-    model = _shard_mixed(Net(p=0.25))
+    model = shard(Net(p=0.25), mixed=True)
     step(model, x, seed=11 + rank)
     plain_dropout = full_grads(model)
     regions = {}
     for label, region in (("recompute", {}), ("save glob", {"save": ["*up"]})):
         for outside in (False, True):
-            model = _shard_mixed(Net(p=0.25, region=region, outside=outside))
+            model = shard(Net(p=0.25, region=region, outside=outside), mixed=True)
             step(model, x, seed=11 + rank)
             regions[f"{label}{', around the block' if outside else ''}"] = grad_error(full_grads(model), plain_dropout)
     return dict(eager=eager, results=results, fp32=fp32, regions=regions)
