@@ -751,3 +751,37 @@ def test_fsdp2_with_a_bf16_mixed_precision_policy():
         # the eager runtime recomputes under the policy, dropout replayed: the gradients bit for bit
         assert r["regions"] == {"recompute": 0.0, "recompute, around the block": 0.0, "save glob": 0.0,
                                 "save glob, around the block": 0.0}, (where, r["regions"])
+
+
+def _autocast_worker(rank):
+    x = batch(rank)
+
+    def run(options):
+        torch._dynamo.reset()
+        model = ddp(Net(), options)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        loss_of(out.float()).backward()
+        plans = [(plan.total_bytes, None if plan.budget is None else plan.budget.target)
+                 for _, plan, _ in remat.step_report().calls] if options is not None else None
+        return full_grads(model), plans
+
+    eager, _ = run(None)
+    return eager, {label: run(dict(lower="eager", **BUDGETS[label])) for label in ("none", "0.3", "0")}
+
+
+def test_ddp_under_bf16_autocast():
+    """DDP compiled with backend="remat" (DDPOptimizer: one graph per gradient bucket) in a bf16
+    autocast forward: per rank, budgets 0.3 and 0 give the gradients of no budget bit for bit, and
+    eager DDP's under the same autocast to bf16's precision; each graph's plan within its budget,
+    saving less as the budget falls."""
+    for rank, (eager, runs) in enumerate(run_ranks(_autocast_worker, timeout=150)):
+        where = f"rank {rank}"
+        grads, plain = runs["none"]
+        assert len(plain) >= 2, (where, plain)  # the model split at its buckets
+        assert grad_error(grads, eager) < 1e-2, where
+        for label, (got, plans) in runs.items():
+            assert grad_error(got, grads) == 0.0, (where, label)
+            assert len(plans) == len(plain) and all(t is None or b <= t for b, t in plans), (where, label, plans)
+        saved = {label: sum(b for b, _ in plans) for label, (_, plans) in runs.items()}
+        assert saved["0"] < saved["0.3"] < saved["none"], (where, saved)
