@@ -1102,7 +1102,7 @@ def _walk(peaks: dict, seconds: dict = None):
     cuts = []
 
     def cut(budgets, fastest_s=None, quick=False):
-        target = budgets[None].nbytes or 1000
+        target = budgets[None].nbytes
         cuts.append((target, not quick))
         report = BudgetReport(budget="0.5", target=target, achieved=target, minimum=100, maximum=2000,
                               solver="ilp", solve_seconds=0.0, estimated_cost_s=0.0)
