@@ -17,6 +17,7 @@ from remat_fx.naming import NameGlobs
 from remat_fx.roofline import COST_MODELS, Roofline, parse_roofline
 
 LOWERINGS = ("inductor", "eager")
+MONOTONE = ("nearest", "grid")
 SOLVERS = ("ilp", "greedy")
 
 _DOC = {
@@ -43,6 +44,10 @@ _DOC = {
                   "estimated step time that may be spent to lower the step's estimated peak: by reruns and by "
                   "saving less than the budget allows (default 0.03; 0 = the fastest plan, no reruns). At the "
                   "minimum (budget 0) and with a peak_budget the reruns are not limited by time",
+    "monotone": "with peak_slack > 0, how a memory_budget's estimated peak is held at or under larger budgets': "
+                "'nearest' (default) against the plan of the nearest target above it on a grid of the feasible "
+                "range; 'grid' against that target's own held plan, and so on up the grid, so that the estimated "
+                "peak never rises as the budget falls across the grid's targets (planning takes 2-4x longer)",
 }
 
 
@@ -55,6 +60,7 @@ class BackendOptions:
     schedule: bool = True
     rerun: object = "auto"  # "auto", True or False
     peak_slack: float = 0.03
+    monotone: str = "nearest"  # MONOTONE: the envelope's bound, the nearest grid target's plan or its envelope
     memory_budget: Optional[Budget] = None
     peak_budget: Optional[int] = None  # this graph's own cap in bytes (remat_fx/step.py sets it per graph)
     peak_fraction: Optional[float] = None  # a fraction peak_budget, resolved by this graph against its own range
@@ -70,7 +76,7 @@ class BackendOptions:
 
     def key(self) -> tuple:
         """What changes the compiled result (for Inductor's cache)."""
-        return (self.save, self.recompute, self.lower, self.schedule, self.rerun, self.peak_slack,
+        return (self.save, self.recompute, self.lower, self.schedule, self.rerun, self.peak_slack, self.monotone,
                 repr(self.memory_budget), self.peak_budget, self.peak_fraction, repr(self.step_peak),
                 self.cost_model, self.roofline, self.solver, self.solver_time_limit)
 
@@ -187,6 +193,7 @@ def _globs(value, what):
 _CHECKS = {
     "save": _globs, "recompute": _globs, "lower": _one_of(LOWERINGS), "report": _bool,
     "schedule": _bool, "rerun": _rerun, "peak_slack": _peak_slack, "memory_budget": _budget,
+    "monotone": _one_of(MONOTONE),
     "peak_budget": _peak_budget, "cost_model": _one_of(COST_MODELS), "roofline": _roofline,
     "solver": _one_of(SOLVERS), "solver_time_limit": _time_limit,
 }
@@ -234,6 +241,7 @@ def parse_options(options, where: str = "backend 'remat'") -> BackendOptions:
                           lower=checked.get("lower", "inductor"), report=checked.get("report", False),
                           schedule=checked.get("schedule", True), rerun=checked.get("rerun", "auto"),
                           peak_slack=checked.get("peak_slack", BackendOptions.peak_slack),
+                          monotone=checked.get("monotone", BackendOptions.monotone),
                           memory_budget=checked["memory_budget"],
                           peak_budget=None if budget is None else budget.nbytes,
                           peak_fraction=None if budget is None else budget.fraction, step_peak=peak,

@@ -28,6 +28,7 @@ def _compile(fn, **options):
     ({"lower": "triton"}, r"option 'lower' must be one of \['inductor', 'eager'\], got 'triton'"),
     ({"save": [1]}, r"option 'save' must hold glob strings, got 1"),
     ({"report": "yes"}, r"option 'report' must be True or False"),
+    ({"monotone": "grids"}, r"option 'monotone' must be one of \['nearest', 'grid'\], got 'grids' \(did you mean 'grid'\?\)"),
 ])
 def test_bad_options_are_rejected(options, message):
     """Raised as remat's own error (a ValueError), which Dynamo passes on unwrapped: no

@@ -200,7 +200,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         if not _peak_budgeted(options):
             chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
             fw, bw, plan, tags = chosen if options.peak_slack <= 0 else \
-                monotone_peak(cut, budgets, chosen, options.peak_slack)
+                monotone_peak(cut, budgets, chosen, options.peak_slack, whole_grid=options.monotone == "grid")
             plan.peak_evaluations = len(cuts)
         else:
             fw, bw, plan, tags = fit_peak(cut, budgets, options.peak_budget, options.peak_fraction)

@@ -593,7 +593,7 @@ def lower_peak(cut, budgets, first, slack: float):
     return best
 
 
-def monotone_peak(cut, budgets, chosen, slack: float):
+def monotone_peak(cut, budgets, chosen, slack: float, whole_grid: bool = False):
     """The monotone envelope of a memory budget: a smaller budget must not give a higher estimated
     peak than a larger one. ``chosen`` (lower_peak's plan) is compared with lower_peak's plan at the
     saved-bytes target of ``_GRID`` (fractions of the feasible range) just above the budget's, as
@@ -610,10 +610,20 @@ def monotone_peak(cut, budgets, chosen, slack: float):
     13.9 and 16.4 MiB, and when 0.1 was compared with 0.3 and 0.5 it kept its 18.6 (measured 19.8
     against 0.15's 16.7); it now estimates 13.8. ``cut(budgets, fastest_s, cap)`` returns (fw, bw,
     plan, tags) and caches by its arguments, so a target solved for one comparison is not solved
-    again."""
+    again. ``whole_grid`` (option monotone="grid"): the bound is the nearby target's own envelope,
+    made the same way up to the top of the grid, so that down the grid's targets the estimated peak
+    never rises (each compile then plans every grid target above its budget: planning 2-4x longer,
+    docs/budgets.md)."""
+    return _envelope(cut, budgets, chosen, slack, len(_GRID) if whole_grid else 1)
+
+
+def _envelope(cut, budgets, chosen, slack: float, depth: int):
+    """monotone_peak's plan for ``budgets`` (``chosen``: lower_peak's), its bound the nearby grid
+    target's plan held by its own envelope ``depth - 1`` levels up (0: ``chosen`` as it is)."""
     plan = chosen[2]
     report = plan.budget
-    if None not in budgets or report is None or report.solver == "none" or report.target <= report.minimum:
+    if depth <= 0 or None not in budgets or report is None or report.solver == "none" or \
+            report.target <= report.minimum:
         return chosen
     lo, hi = report.minimum, report.maximum
     grid = sorted({lo + int((hi - lo) * f) for f in _GRID}, reverse=True)  # saved-bytes targets, largest first
@@ -621,7 +631,7 @@ def monotone_peak(cut, budgets, chosen, slack: float):
     if not above:
         return chosen
     nearby = _overall(budgets, Budget(nbytes=min(above)))
-    bound = lower_peak(cut, nearby, cut(nearby), slack)[2].peak.step
+    bound = _envelope(cut, nearby, lower_peak(cut, nearby, cut(nearby), slack), slack, depth - 1)[2].peak.step
     if plan.peak.step <= bound:
         return chosen
     best = cut(budgets, None, bound)
