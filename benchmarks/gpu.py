@@ -191,6 +191,9 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--budgets", default="1,0.5,0.3,0.2,0.1,0")
+    ap.add_argument("--torch-budgets", default=None, help="PyTorch's budgets (default: --budgets; '' for none)")
+    ap.add_argument("--monotone", default="nearest",
+                    help="remat's option monotone for its --budgets rows, comma-separated: nearest, grid or both")
     ap.add_argument("--peak-fractions", default="0.5,0")
     ap.add_argument("--fit", default="0.6,0.4", help="remat.fit limits as fractions of eager's peak")
     ap.add_argument("--lower", default="inductor", choices=["inductor", "eager"])
@@ -242,10 +245,14 @@ def main():
     measure("eager, per-layer checkpointing", checkpointing=True)
     eager_peak = rows[0]["peak"] if rows and rows[0]["peak"] else 0
     # PyTorch's and remat's compile at the same budget side by side: a run cut short keeps pairs
+    torch_budgets = floats(args.budgets if args.torch_budgets is None else args.torch_budgets)
     for b in floats(args.budgets):
-        measure(f"PyTorch budget {b:g}", lambda m, b=b: torch.compile(m, backend=torch_budget.backend(b)))
-        measure(f"remat memory_budget {b:g}", lambda m, b=b: torch.compile(
-            m, backend="remat", options={"memory_budget": b, "lower": args.lower}))
+        if b in torch_budgets:
+            measure(f"PyTorch budget {b:g}", lambda m, b=b: torch.compile(m, backend=torch_budget.backend(b)))
+        for mode in (v.strip() for v in args.monotone.split(",") if v.strip()):
+            measure(f"remat memory_budget {b:g}" + ("" if mode == "nearest" else f", monotone {mode}"),
+                    lambda m, b=b, mode=mode: torch.compile(m, backend="remat", options={
+                        "memory_budget": b, "lower": args.lower, "monotone": mode}))
     for f in floats(args.peak_fractions):
         measure(f"remat peak_budget {f:g}", lambda m, f=f: torch.compile(
             m, backend="remat", options={"peak_budget": f, "lower": args.lower}))
@@ -293,12 +300,19 @@ def verdicts(rows):
     def pick(prefix):
         return [r for r in rows if r["variant"].startswith(prefix) and r.get("peak")]
 
+    def budget(r):  # "remat memory_budget 0.1" or "remat memory_budget 0.1, monotone grid"
+        return float(r["variant"].split()[2].rstrip(","))
+
     torch_rows, remat_rows = pick("PyTorch budget"), pick("remat ")
-    budget_rows = sorted(pick("remat memory_budget"), key=lambda r: -float(r["variant"].split()[-1]))  # 1 -> 0
     out = []
-    peaks = [r["peak"] for r in budget_rows]
-    out.append("- remat memory_budget, measured peak non-increasing as the budget falls: "
-               + ("yes" if all(b <= a * 1.01 for a, b in zip(peaks, peaks[1:])) else "NO") + " (1% spread allowed)")
+    modes = sorted({r["variant"].partition(", ")[2] for r in pick("remat memory_budget")})
+    for mode in modes:  # "" (the default, monotone nearest) first
+        rows_of = [r for r in pick("remat memory_budget") if r["variant"].partition(", ")[2] == mode]
+        peaks = [r["peak"] for r in sorted(rows_of, key=lambda r: -budget(r))]  # 1 -> 0
+        out.append(f"- remat memory_budget{', ' + mode if mode else ''}, measured peak non-increasing as the budget "
+                   "falls: " + ("yes" if all(b <= a * 1.01 for a, b in zip(peaks, peaks[1:])) else "NO")
+                   + " (1% spread allowed)")
+    budget_rows = [r for r in pick("remat memory_budget") if ", " not in r["variant"]]
     if not remat_rows or not torch_rows:
         return out
     least = min(r["peak"] for r in remat_rows)
@@ -311,7 +325,7 @@ def verdicts(rows):
         out.append(f"- {t['variant']} ({t['peak'] / 2**20:.1f} MiB, {t['ms']:.1f} ms): "
                    + (f"{best['variant']} ({best['peak'] / 2**20:.1f} MiB, {best['ms']:.1f} ms)" if best
                       else "no remat point at or below its peak within 2% of its time"))
-        same = [r for r in budget_rows if r["variant"].split()[-1] == t["variant"].split()[-1]]
+        same = [r for r in budget_rows if budget(r) == float(t["variant"].split()[-1])]
         if same:
             out[-1] += f"; first step at the same budget {same[0]['first_s'] / t['first_s']:.2f}x PyTorch's"
     return out
