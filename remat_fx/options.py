@@ -214,6 +214,21 @@ def check_config(name: str, value) -> None:
     check_option(name, value, f"remat_fx.config.{name}")
 
 
+def _check_grid(checked: dict, where: str) -> None:
+    """monotone='grid' changes how a memory_budget's plan is held under larger budgets' peaks: an
+    OptionError where no such plan is made (it would do nothing)."""
+    why = None
+    if checked.get("memory_budget") is None:
+        why = "no memory_budget is set (option or remat_fx.config.memory_budget)"
+    elif checked.get("peak_budget") is not None:
+        why = "a peak_budget is set: the plan is the fastest under that peak instead"
+    elif checked.get("peak_slack", BackendOptions.peak_slack) == 0:
+        why = "peak_slack is 0: the budget's fastest plan is kept, with no envelope"
+    if why:
+        raise OptionError(f"{where}: option 'monotone'='grid' holds a memory_budget's estimated peak under the "
+                          f"larger budgets' peaks, and {why}; drop monotone, or set a memory_budget with peak_slack > 0")
+
+
 def parse_options(options, where: str = "backend 'remat'") -> BackendOptions:
     """Check ``options`` and return them typed; an OptionError (a ValueError) names the option at
     fault and what it takes, and an unknown option the nearest valid one and the list."""
@@ -236,6 +251,8 @@ def parse_options(options, where: str = "backend 'remat'") -> BackendOptions:
         except OptionError as e:
             raise OptionError(f"{where}: {e}") from None
     peak = checked.get("peak_budget")
+    if checked.get("monotone") == "grid":
+        _check_grid(checked, where)
     budget = None if peak is None or peak == "auto" else peak
     return BackendOptions(save=checked.get("save", ()), recompute=checked.get("recompute", ()),
                           lower=checked.get("lower", "inductor"), report=checked.get("report", False),

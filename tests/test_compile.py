@@ -28,6 +28,11 @@ def _compile(fn, **options):
     ({"lower": "triton"}, r"option 'lower' must be one of \['inductor', 'eager'\], got 'triton'"),
     ({"save": [1]}, r"option 'save' must hold glob strings, got 1"),
     ({"report": "yes"}, r"option 'report' must be True or False"),
+    ({"monotone": "grid"}, r"option 'monotone'='grid' holds a memory_budget's estimated peak under the larger "
+                           r"budgets' peaks, and no memory_budget is set .*; drop monotone, or set a memory_budget"),
+    ({"monotone": "grid", "memory_budget": 0.3, "peak_slack": 0}, r"and peak_slack is 0: the budget's fastest plan"),
+    ({"monotone": "grid", "memory_budget": 0.3, "peak_budget": "1MiB"}, r"and a peak_budget is set: the plan is the "
+                                                                         r"fastest under that peak instead"),
     ({"monotone": "grids"}, r"option 'monotone' must be one of \['nearest', 'grid'\], got 'grids' \(did you mean 'grid'\?\)"),
 ])
 def test_bad_options_are_rejected(options, message):
