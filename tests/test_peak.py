@@ -8,6 +8,7 @@ import torch.fx as fx
 
 import remat_fx as remat
 from benchmarks.memory import step_peak_bytes
+from remat_fx.memory_budget import fmt_bytes
 from remat_fx.passes.peak import alive_at_peak, simulate
 from remat_fx.passes.schedule import schedule_recompute
 from tests.test_budget import _gpt, _hf_gpt2, _mlp
@@ -856,6 +857,11 @@ def test_estimated_peak_is_non_increasing_down_the_low_budgets(monotone):
         peaks.append(plan.peak.step)
         assert plan.budget.budget == f"{budget:g}"  # the report keeps the user's budget
         assert plan.total_bytes <= plan.budget.target
+        held = plan.budget.held_under
+        if held is not None:  # the report says what it was held under, and whether it got there
+            assert plan.budget.held_final == (monotone == "grid")
+            assert plan.budget.held_met == (plan.peak.step <= held)
+            assert f"held at or under {fmt_bytes(held)}" in str(plan) or not plan.budget.held_met
     assert peaks == sorted(peaks, reverse=True), peaks
 
 

@@ -86,7 +86,20 @@ def test_tensors_sharing_a_name_share_a_row_with_a_count():
      "budget 0.5: target 1.46 MiB (0.5 of the way from the feasible minimum 100.00 KiB to the maximum 2.83 MiB), "
      "achieved 1.38 MiB: solved at a lower target, 1.43 MiB, for a lower estimated peak (the fastest plan under "
      "1.46 MiB: est. peak 4.00 MiB, est. step 12.5 ms); ilp solver, 300 ms; est. recompute 1.000 ms"),
-], ids=["fraction", "one-no-solver", "zero", "size-empty-range", "lowered"])
+    (BudgetReport("0.1", 16 * KiB, 14 * KiB, KiB, 150 * KiB, "ilp", 0.2, 6e-4, lowered_to=16 * KiB,
+                  fastest_peak=193 * KiB, fastest_step_s=0.0033, held_under=158 * KiB, held_by="0.15"),
+     "budget 0.1: target 16.00 KiB (0.1 of the way from the feasible minimum 1.00 KiB to the maximum 150.00 KiB), "
+     "achieved 14.00 KiB: held at or under 158.00 KiB, the estimated peak of budget 0.15's plan (the monotone "
+     "envelope; the fastest plan under 16.00 KiB: est. peak 193.00 KiB, est. step 3.3 ms); ilp solver, 200 ms; "
+     "est. recompute 0.600 ms"),
+    (BudgetReport("0.1", 16 * KiB, 10 * KiB, KiB, 150 * KiB, "ilp", 0.2, 6e-4, lowered_to=12 * KiB,
+                  fastest_peak=193 * KiB, fastest_step_s=0.0033, held_under=158 * KiB, held_by="0.15",
+                  held_met=False, held_final=False),
+     "budget 0.1: target 16.00 KiB (0.1 of the way from the feasible minimum 1.00 KiB to the maximum 150.00 KiB), "
+     "achieved 10.00 KiB: held as near as it could get to 158.00 KiB, the estimated peak of budget 0.15's first "
+     "plan (before its own envelope), solved at a lower target, 12.00 KiB (the monotone envelope; the fastest plan "
+     "under 16.00 KiB: est. peak 193.00 KiB, est. step 3.3 ms); ilp solver, 200 ms; est. recompute 0.600 ms"),
+], ids=["fraction", "one-no-solver", "zero", "size-empty-range", "lowered", "held", "held-missed-first-plan"])
 def test_budget_story(report, text):
     assert str(report) == text
 

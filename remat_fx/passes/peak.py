@@ -630,7 +630,8 @@ def _envelope(cut, budgets, chosen, slack: float, depth: int):
     above = [t for t in grid if t > report.target]
     if not above:
         return chosen
-    nearby = _overall(budgets, Budget(nbytes=min(above)))
+    near = min(above)
+    nearby = _overall(budgets, Budget(nbytes=near))
     bound = _envelope(cut, nearby, lower_peak(cut, nearby, cut(nearby), slack), slack, depth - 1)[2].peak.step
     if plan.peak.step <= bound:
         return chosen
@@ -660,4 +661,6 @@ def _envelope(cut, budgets, chosen, slack: float, depth: int):
     picked.fastest_peak = report.fastest_peak if report.lowered_to is not None else plan.peak.step
     picked.fastest_step_s = report.fastest_step_s if report.lowered_to is not None else plan.step_cost_s
     picked.solve_seconds = solve_s
+    picked.held_under, picked.held_met, picked.held_final = bound, best[2].peak.step <= bound, depth > 1
+    picked.held_by = f"{next(f for f in _GRID if lo + int((hi - lo) * f) == near):g}"  # the grid's fraction
     return best

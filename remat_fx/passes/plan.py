@@ -67,6 +67,12 @@ class BudgetReport:
     lowered_to: Optional[int] = None
     fastest_peak: int = 0
     fastest_step_s: float = 0.0
+    # the monotone envelope (option peak_slack): the estimated peak of the larger budget's plan this
+    # one was held under, that budget (a fraction of the feasible range), and whether it was met
+    held_under: Optional[int] = None
+    held_by: str = ""
+    held_met: bool = True
+    held_final: bool = True  # the bound was that budget's final plan (monotone="grid"), not its first one
 
     def __str__(self) -> str:
         """Target, achieved, the feasible range, and why achieved is below the target when the plan
@@ -84,10 +90,18 @@ class BudgetReport:
         else:
             text += f" (feasible minimum {low} .. maximum {high})"
         text += f", achieved {fmt_bytes(self.achieved)}"
-        if self.lowered_to is not None:
-            text += (f": solved at a lower target, {fmt_bytes(self.lowered_to)}, for a lower estimated peak (the "
-                     f"fastest plan under {fmt_bytes(self.target)}: est. peak {fmt_bytes(self.fastest_peak)}, est. "
-                     f"step {self.fastest_step_s * 1e3:.1f} ms)")
+        fastest = (f"the fastest plan under {fmt_bytes(self.target)}: est. peak {fmt_bytes(self.fastest_peak)}, est. "
+                   f"step {self.fastest_step_s * 1e3:.1f} ms")
+        if self.held_under is not None:
+            text += (f": held {'at or under' if self.held_met else 'as near as it could get to'} "
+                     f"{fmt_bytes(self.held_under)}, the estimated peak of budget {self.held_by}'s "
+                     + ("plan" if self.held_final else "first plan (before its own envelope)"))
+            if self.lowered_to is not None and self.lowered_to < self.target:
+                text += f", solved at a lower target, {fmt_bytes(self.lowered_to)}"
+            text += f" (the monotone envelope; {fastest})"
+        elif self.lowered_to is not None:
+            text += (f": solved at a lower target, {fmt_bytes(self.lowered_to)}, for a lower estimated peak "
+                     f"({fastest})")
         if self.solver == "none":
             text += ": the plan without a budget fits, no solver ran"
         else:
