@@ -216,17 +216,16 @@ def check_config(name: str, value) -> None:
 
 def _check_grid(checked: dict, where: str) -> None:
     """monotone='grid' changes how a memory_budget's plan is held under larger budgets' peaks: an
-    OptionError where no such plan is made (it would do nothing)."""
+    OptionError where no such plan can be made (it would do nothing). Not for a missing memory_budget:
+    remat.fit gives the step's graphs theirs."""
     why = None
-    if checked.get("memory_budget") is None:
-        why = "no memory_budget is set (option or remat_fx.config.memory_budget)"
-    elif checked.get("peak_budget") is not None:
+    if checked.get("peak_budget") is not None:
         why = "a peak_budget is set: the plan is the fastest under that peak instead"
     elif checked.get("peak_slack", BackendOptions.peak_slack) == 0:
         why = "peak_slack is 0: the budget's fastest plan is kept, with no envelope"
     if why:
         raise OptionError(f"{where}: option 'monotone'='grid' holds a memory_budget's estimated peak under the "
-                          f"larger budgets' peaks, and {why}; drop monotone, or set a memory_budget with peak_slack > 0")
+                          f"larger budgets' peaks, and {why}; drop monotone, or give a memory_budget with peak_slack > 0")
 
 
 def parse_options(options, where: str = "backend 'remat'") -> BackendOptions:

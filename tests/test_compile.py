@@ -28,9 +28,9 @@ def _compile(fn, **options):
     ({"lower": "triton"}, r"option 'lower' must be one of \['inductor', 'eager'\], got 'triton'"),
     ({"save": [1]}, r"option 'save' must hold glob strings, got 1"),
     ({"report": "yes"}, r"option 'report' must be True or False"),
-    ({"monotone": "grid"}, r"option 'monotone'='grid' holds a memory_budget's estimated peak under the larger "
-                           r"budgets' peaks, and no memory_budget is set .*; drop monotone, or set a memory_budget"),
-    ({"monotone": "grid", "memory_budget": 0.3, "peak_slack": 0}, r"and peak_slack is 0: the budget's fastest plan"),
+    ({"monotone": "grid", "memory_budget": 0.3, "peak_slack": 0},
+     r"option 'monotone'='grid' holds a memory_budget's estimated peak under the larger budgets' peaks, and "
+     r"peak_slack is 0: the budget's fastest plan is kept, with no envelope; drop monotone, or give a memory_budget"),
     ({"monotone": "grid", "memory_budget": 0.3, "peak_budget": "1MiB"}, r"and a peak_budget is set: the plan is the "
                                                                          r"fastest under that peak instead"),
     ({"monotone": "grids"}, r"option 'monotone' must be one of \['nearest', 'grid'\], got 'grids' \(did you mean 'grid'\?\)"),
@@ -41,6 +41,14 @@ def test_bad_options_are_rejected(options, message):
     f = torch.compile(lambda x: x.sin(), backend="remat", options=options)
     with pytest.raises(remat.OptionError, match=message):
         f(torch.ones(2, requires_grad=True))
+
+
+def test_monotone_grid_needs_no_memory_budget_of_its_own():
+    """remat.fit gives the step's graphs their memory budget: monotone='grid' is kept for those plans."""
+    from remat_fx.options import parse_options
+
+    assert parse_options({"monotone": "grid"}).monotone == "grid"
+    assert parse_options({}).monotone == "nearest"
 
 
 def test_backend_registered_by_entry_point():
