@@ -304,15 +304,16 @@ def verdicts(rows):
         return float(r["variant"].split()[2].rstrip(","))
 
     torch_rows, remat_rows = pick("PyTorch budget"), pick("remat ")
+    by_mode: dict = {}  # "" (the default, monotone nearest) or "monotone grid" -> its budget rows, 1 -> 0
+    for r in sorted(pick("remat memory_budget"), key=lambda r: -budget(r)):
+        by_mode.setdefault(r["variant"].partition(", ")[2], []).append(r)
     out = []
-    modes = sorted({r["variant"].partition(", ")[2] for r in pick("remat memory_budget")})
-    for mode in modes:  # "" (the default, monotone nearest) first
-        rows_of = [r for r in pick("remat memory_budget") if r["variant"].partition(", ")[2] == mode]
-        peaks = [r["peak"] for r in sorted(rows_of, key=lambda r: -budget(r))]  # 1 -> 0
+    for mode, rows_of in sorted(by_mode.items()):
+        peaks = [r["peak"] for r in rows_of]
         out.append(f"- remat memory_budget{', ' + mode if mode else ''}, measured peak non-increasing as the budget "
                    "falls: " + ("yes" if all(b <= a * 1.01 for a, b in zip(peaks, peaks[1:])) else "NO")
                    + " (1% spread allowed)")
-    budget_rows = [r for r in pick("remat memory_budget") if ", " not in r["variant"]]
+    budget_rows = by_mode.get("", [])
     if not remat_rows or not torch_rows:
         return out
     least = min(r["peak"] for r in remat_rows)

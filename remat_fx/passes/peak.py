@@ -626,7 +626,10 @@ def _envelope(cut, budgets, chosen, slack: float, depth: int):
             report.target <= report.minimum:
         return chosen
     lo, hi = report.minimum, report.maximum
-    grid = sorted({lo + int((hi - lo) * f) for f in _GRID}, reverse=True)  # saved-bytes targets, largest first
+    fraction: Dict[int, float] = {}  # saved-bytes target -> its grid fraction (the largest giving it)
+    for f in _GRID:
+        fraction.setdefault(lo + int((hi - lo) * f), f)
+    grid = sorted(fraction, reverse=True)  # saved-bytes targets, largest first
     above = [t for t in grid if t > report.target]
     if not above:
         return chosen
@@ -662,5 +665,5 @@ def _envelope(cut, budgets, chosen, slack: float, depth: int):
     picked.fastest_step_s = report.fastest_step_s if report.lowered_to is not None else plan.step_cost_s
     picked.solve_seconds = solve_s
     picked.held_under, picked.held_met, picked.held_final = bound, best[2].peak.step <= bound, depth > 1
-    picked.held_by = f"{next(f for f in _GRID if lo + int((hi - lo) * f) == near):g}"  # the grid's fraction
+    picked.held_by = f"{fraction[near]:g}"
     return best
