@@ -16,7 +16,7 @@ budget whose measured peak fits is kept, with its plans in place. If none fits, 
 
 The choice is cached on disk (``cache_dir``, default ``$REMAT_FX_CACHE_DIR`` or
 ``~/.cache/remat_fx``), keyed by each graph (its code, its inputs' shapes and dtypes, the torch
-version), its options and the limit: the next run of the same job compiles each graph straight
+version, remat_fx's own source), its options and the limit: the next run of the same job compiles each graph straight
 at the chosen budget, measures once, and searches no more.
 """
 from __future__ import annotations
@@ -40,6 +40,7 @@ from remat_fx.memory_budget import fmt_bytes, parse_budget
 from remat_fx.options import BackendOptions
 from remat_fx.passes.peak import PeakInfeasible
 from remat_fx.passes.plan import record
+from remat_fx.plan_cache import cache_root, source_digest
 from remat_fx.ranks import agreed, together
 from remat_fx.step import STEP, CompiledGraph, _signature, auto_limit, candidates, estimate_curve, shared_options
 
@@ -80,15 +81,12 @@ class _Scope:
 _ACTIVE: List[_Scope] = []
 
 
-def _default_dir() -> pathlib.Path:
-    root = os.environ.get("REMAT_FX_CACHE_DIR")
-    return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "remat_fx"
 
 
 def _entry(graph: CompiledGraph, options: BackendOptions, limit: int) -> str:
     from remat_fx import __version__
 
-    text = repr((graph.key, options.key(), limit, __version__))
+    text = repr((graph.key, options.key(), limit, __version__, source_digest()))
     return "fit-" + hashlib.sha256(text.encode()).hexdigest()[:32] + ".json"
 
 
@@ -148,7 +146,7 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
     named = _parameters(args, kwargs, params)
     target = int(limit * (1 - margin))
     t0 = time.perf_counter()
-    scope = _Scope(limit, pathlib.Path(cache_dir) if cache_dir is not None else (_default_dir() if cache else None))
+    scope = _Scope(limit, pathlib.Path(cache_dir) if cache_dir is not None else (cache_root() if cache else None))
     if not cache:
         scope.directory = None
 

@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# the plan cache (remat_fx/plan_cache.py) off for the suite, its subprocesses included: a test that
+# compiles a graph an earlier test compiled would otherwise replay that search instead of running it
+# (tests/test_plan_cache.py turns it on, in a folder of its own)
+os.environ["REMAT_FX_PLAN_CACHE"] = "0"
 
 from tests import helpers
 

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import pathlib
 import re
 from typing import Callable, Optional
 
@@ -32,11 +31,9 @@ from remat_fx.passes.partition import partition
 from remat_fx.passes.peak import PeakEstimate, PeakInfeasible, backward_inputs
 from remat_fx.passes.plan import input_names, last_plan
 from remat_fx.passes.rerun import shorten
+from remat_fx.plan_cache import source_digest
 
 log = logging.getLogger("remat_fx")
-
-_SOURCES = sorted((pathlib.Path(__file__).resolve().parents[1]).rglob("*.py"))
-
 
 class RematPartitioner(CustomPartitionerFn):
     """Our partition as Inductor's ``custom_partitioner_fn``. ``plan``: the plan it made (None
@@ -63,10 +60,7 @@ class RematPartitioner(CustomPartitionerFn):
         return fw, bw
 
     def uuid(self):
-        digest = hashlib.sha256(repr(self.options.key()).encode())
-        for path in _SOURCES:
-            digest.update(path.read_bytes())
-        return digest.hexdigest()
+        return hashlib.sha256(repr((self.options.key(), source_digest())).encode()).hexdigest()
 
 
 def _run_eagerly(gm, example_inputs):

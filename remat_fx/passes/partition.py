@@ -22,9 +22,10 @@ from torch._functorch.compile_utils import fx_graph_cse
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
+from remat_fx import plan_cache
 from remat_fx.fresh_stack import on_fresh_stack
 from remat_fx.memory_budget import fmt_bytes
-from remat_fx.options import BackendOptions
+from remat_fx.options import BackendOptions, RematError
 from remat_fx.passes.budget import apply_budget, budgets_of
 from remat_fx.passes.capture import is_random, read_joint
 from remat_fx.passes.cost import CostModel, node_device
@@ -124,6 +125,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         budgets = budgets_of(joint, options)
 
         cuts: dict = {}  # one partition call solves a target once (the peak searches revisit them)
+        asked: dict = {}  # the arguments of each (the plan cache records the chosen one's)
         by_tags: dict = {}  # and finishes one set of tags once per allowance, cap and quick
 
         def cut(budgets, fastest_s=None, cap=None, quick=False):
@@ -136,6 +138,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             key = (_budget_key(budgets), fastest_s, cap, quick)
             if key not in cuts:
                 cuts[key] = solve(budgets, fastest_s, cap, quick)
+                asked[id(cuts[key])] = (budgets, fastest_s, cap, quick)
                 elapsed = time.perf_counter() - t0
                 if elapsed > _PROGRESS_S:
                     plan = cuts[key][2]
@@ -197,19 +200,55 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             by_tags[same] = (fw, bw, plan, report.estimated_cost_s)
             return fw, bw, plan, new_tags
 
-        if not _peak_budgeted(options):
+        entry = plan_cache.entry(joint_gm, num_fwd_outputs, static_lifetime_input_indices, options) \
+            if plan_cache.enabled(options) else None
+        found = None if entry is None else _replay(cut, entry)
+        if found is not None:
+            fw, bw, plan, tags = found
+            plan.peak_evaluations = len(cuts)
+        elif not _peak_budgeted(options):
             chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
-            fw, bw, plan, tags = chosen if options.peak_slack <= 0 else \
+            found = chosen if options.peak_slack <= 0 else \
                 monotone_peak(cut, budgets, chosen, options.peak_slack, whole_grid=options.monotone == "grid")
+            fw, bw, plan, tags = found
             plan.peak_evaluations = len(cuts)
         else:
-            fw, bw, plan, tags = fit_peak(cut, budgets, options.peak_budget, options.peak_fraction)
+            found = fit_peak(cut, budgets, options.peak_budget, options.peak_fraction)
+            fw, bw, plan, tags = found
+        if entry is not None and not plan.from_cache and id(found) in asked:
+            entry.store(*asked[id(found)], plan)
     check_follows_tags(joint.names, tags, bw)
     plan.partition_seconds = time.perf_counter() - t0
     record(plan)
     if options.report:
         print(plan)
     return fw, bw
+
+
+def _replay(cut, entry):
+    """The plan the cache recorded for this graph, made by the one ``cut`` call the search chose,
+    with the search's notes on its report; None when there is no entry or the call no longer gives
+    the plan recorded (its saved bytes and estimated peak): the search then runs as without it."""
+    record = entry.load()
+    if record is None:
+        return None
+    try:
+        found = cut(record["budgets"], record["fastest_s"], record["cap"], record["quick"])
+    except RematError:
+        return None  # a budget this graph can no longer meet: the search says why
+    plan = found[2]
+    if (plan.total_bytes, plan.peak.step) != (record["saved"], record["peak"]):
+        log.info("remat_fx: the plan cache's plan for this graph now saves %s with an estimated peak of %s, not "
+                 "%s and %s: searching again", fmt_bytes(plan.total_bytes), fmt_bytes(plan.peak.step),
+                 fmt_bytes(record["saved"]), fmt_bytes(record["peak"]))
+        return None
+    if record["report"] is not None and plan.budget is not None:
+        plan.budget = copy.copy(plan.budget)  # a cut's report is shared by later calls for the same tags
+        for k, v in record["report"].items():
+            setattr(plan.budget, k, v)
+    plan.peak_budget = record["peak_budget"]
+    plan.from_cache = True
+    return found
 
 
 _MIN_GAIN = 0.02  # reruns that lower the estimated peak by less are not worth their time

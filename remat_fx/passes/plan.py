@@ -143,6 +143,7 @@ class Plan:
     # first plan's schedule peaked over the budget (None: the budget itself)
     lowered: Optional["PeakEstimate"] = None
     tightened_to: Optional[int] = None
+    from_cache: bool = False  # made from the plan cache's record of an earlier search (remat_fx/plan_cache.py)
 
     @property
     def total_flops(self) -> int:
@@ -185,6 +186,7 @@ class Plan:
         if self.peak is not None:
             cap = "" if self.peak_budget is None else (f", peak_budget {fmt_bytes(self.peak_budget)} "
                                                        f"({self.peak_evaluations} plans estimated)")
+            cap += "; the search's choice read from the plan cache" if self.from_cache else ""
             lines.append(f"  estimated step peak {fmt_bytes(self.peak.step)} (forward {fmt_bytes(self.peak.forward)}, "
                          f"backward {fmt_bytes(self.peak.backward)}){cap}")
         if self.lowered is not None:
