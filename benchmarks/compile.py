@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import os
 import platform
 import re
 import statistics
@@ -61,6 +62,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+os.environ.setdefault("REMAT_FX_PLAN_CACHE", "0")  # a first step times the search, not a replay of the last run's
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

@@ -23,12 +23,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+os.environ.setdefault("REMAT_FX_PLAN_CACHE", "0")  # a first step times the search, not a replay of the last run's
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
