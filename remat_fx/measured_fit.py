@@ -90,6 +90,11 @@ def _entry(graph: CompiledGraph, options: BackendOptions, limit: int) -> str:
     return "fit-" + hashlib.sha256(text.encode()).hexdigest()[:32] + ".json"
 
 
+def searching() -> bool:
+    """Whether a ``fit`` is running (its graphs are re-planned from their joint graphs)."""
+    return bool(_ACTIVE)
+
+
 def cached_options(graph: CompiledGraph, options: BackendOptions) -> Optional[BackendOptions]:
     """Inside ``fit`` with a cache: the options the cache chose for this graph, else None."""
     if not _ACTIVE or _ACTIVE[-1].directory is None:

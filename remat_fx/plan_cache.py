@@ -25,8 +25,9 @@ import hashlib
 import json
 import os
 import pathlib
+import pickle
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.fx as fx
@@ -39,6 +40,7 @@ _TAG_META = ("nn_module_stack", "custom", "recompute", "ac_graph_id")  # what pa
 # the search's notes on the chosen plan's budget report (passes/peak.py lower_peak, _envelope)
 REPORT_NOTES = ("budget", "target", "lowered_to", "fastest_peak", "fastest_step_s", "held_under", "held_by",
                 "held_met", "held_final")
+_FIELDS = {"budgets", "fastest_s", "cap", "quick", "peak_budget", "report", "saved", "peak"}
 
 
 def cache_root() -> pathlib.Path:
@@ -48,11 +50,11 @@ def cache_root() -> pathlib.Path:
 
 
 @functools.lru_cache(maxsize=None)
-def source_digest() -> str:
+def source_digest(package: pathlib.Path = _PACKAGE) -> str:
     """A digest of remat_fx's own source files (read once per process)."""
     digest = hashlib.sha256()
-    for path in sorted(_PACKAGE.rglob("*.py")):
-        digest.update(str(path.relative_to(_PACKAGE)).encode())
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -89,9 +91,11 @@ class Entry:
     def load(self) -> Optional[dict]:
         try:
             record = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-        record["budgets"] = {k: Budget(fraction=f, nbytes=n) for k, f, n in record["budgets"]}
+            record["budgets"] = {k: Budget(fraction=f, nbytes=n) for k, f, n in record["budgets"]}
+            if not _FIELDS <= record.keys():
+                return None
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None  # unreadable or not an entry this code wrote: searched again and written anew
         return record
 
     def store(self, budgets, fastest_s, cap, quick, plan) -> None:
@@ -120,3 +124,68 @@ def entry(joint_gm: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_
         digest.update(_value(node.meta.get("val")).encode())
         digest.update(_meta(node).encode())
     return Entry(cache_root() / "plans" / f"plan-{digest.hexdigest()[:32]}.json")
+
+
+# AOTAutograd's cache, for the graphs whose plan nothing re-plans (remat_fx/step.py): a hit loads
+# the compiled forward and backward without tracing the joint graph or partitioning it, and so
+# without a plan; the plan comes from the graph's record, written when it was compiled (its plan,
+# the gradient bytes of its backward and its joint graph's primal inputs, for the step's view).
+
+
+def graph_record(graph_key: str, options, global_state) -> pathlib.Path:
+    """Where the record of a Dynamo graph compiled with ``options`` under ``global_state`` lives.
+    Keyed by what AOTAutograd's own key reads that a user changes between runs: the graph and its
+    inputs (``graph_key``), the options, grad mode and autocast, torch's and remat_fx's code, and
+    the functorch and Inductor configs."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    text = repr((graph_key, options.key(), global_state, torch.__version__, source_digest(),
+                 sorted((k, v) for k, v in functorch_config.get_config_copy().items() if _plain(v)),
+                 sorted((k, v) for k, v in inductor_config.get_config_copy().items() if _plain(v))))
+    return cache_root() / "plans" / f"graph-{hashlib.sha256(text.encode()).hexdigest()[:32]}.pkl"
+
+
+def _plain(v) -> bool:
+    return isinstance(v, (int, float, bool, str, type(None))) or \
+        (isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, bool, str)) for x in v))
+
+
+def aot_cache_hits() -> int:
+    """AOTAutograd's cache hits so far in this process (Dynamo's counters: checked on torch 2.13
+    and 2.14, tests/test_plan_cache.py)."""
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["autograd_cache_hit"]
+
+
+def save_record(path: pathlib.Path, plan, grads: int, primals: Optional[List[str]]) -> None:
+    """Writes a graph's record: its plan as it is now (None: nothing saved for a backward)."""
+    if plan is not None:
+        plan = _portable(plan)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(pickle.dumps({"plan": plan, "grads": grads, "primals": primals}))
+        os.replace(tmp, path)
+    except (OSError, pickle.PicklingError, TypeError, AttributeError):
+        pass  # the next process traces and partitions the graph again
+
+
+def load_record(path: pathlib.Path) -> Optional[dict]:
+    try:
+        record = pickle.loads(path.read_bytes())
+    except Exception:  # noqa: BLE001 - missing, truncated, or written by other code: no record
+        return None
+    return record if isinstance(record, dict) and {"plan", "grads", "primals"} <= record.keys() else None
+
+
+def _portable(plan):
+    """A copy of ``plan`` without what holds the graph (the rerun search's programs)."""
+    import copy
+
+    plan = copy.copy(plan)
+    if plan.rerun is not None and getattr(plan.rerun, "_steps", None) is not None:
+        plan.rerun = copy.copy(plan.rerun)
+        plan.rerun._steps = None
+    return plan

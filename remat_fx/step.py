@@ -36,6 +36,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from remat_fx import plan_cache
 from remat_fx.memory_budget import Budget, fmt_bytes
 from remat_fx.options import BackendOptions
 from remat_fx.runtime.torch_compat import storage_key, storage_ref
@@ -46,6 +47,7 @@ from remat_fx.passes.lower import copy_dynamo_graph as _copy_dynamo_graph
 from remat_fx.passes.lower import lower
 from remat_fx.passes.peak import PeakInfeasible
 from remat_fx.passes.plan import Plan, last_plan
+from remat_fx.passes.plan import record as record_plan
 
 log = logging.getLogger("remat_fx")
 _SLOW_S = 2.0  # compiles longer than this are logged (logger "remat_fx", level INFO)
@@ -261,8 +263,10 @@ class CompiledGraph:
         self.global_state = _GlobalState.now()
         self.fn: Optional[Callable] = None
         self.plan: Optional[Plan] = None  # None: an inference graph (nothing saved for backward)
-        self.joint = None  # (joint graph, joint inputs, partition kwargs)
+        self.joint = None  # (joint graph, joint inputs, partition kwargs); None after an AOTAutograd cache hit
+        self.primals: Optional[List[str]] = None  # the joint graph's primal inputs, by name
         self.grads = 0
+        self.aot_hit = False  # loaded from AOTAutograd's cache, its plan from the plan cache's record
         self.active: Optional[BackendOptions] = None  # what it was lowered with
         self.over = False  # planned with less than the step's limit left for it
         self.first_compile = True  # compiled on its frame's first compile (not a recompile on new shapes)
@@ -274,15 +278,15 @@ class CompiledGraph:
         # with this lowering, was recorded whole and its backward compiled
         self.settled = False
 
-    def compile(self, options: BackendOptions) -> None:
+    def compile(self, options: BackendOptions, aot: bool = True) -> None:
         t0 = time.perf_counter()
-        with _partition.capture_joints() as joints:
-            fn = lower(self.gm, self.example_inputs, options)
-        if joints:
-            self.joint = joints[-1]
-            self.plan = last_plan()
-            self.grads = _grad_bytes(self.joint)
-            self.plan.graph = self.index
+        record = self._aot_record(options) if aot else None
+        fn = self._lower(options, record)
+        if fn is None:  # a hit in AOTAutograd's cache without the plan's record: traced and partitioned again
+            log.info("remat_fx: graph %d was found in AOTAutograd's cache but its plan was not (%s): compiled "
+                     "again without that cache", self.index, record)
+            self.gm = _copy_dynamo_graph(self.pristine)
+            fn = self._lower(options, record, lookup=False)  # the record written again
         self.fn, self.active = fn, options
         self.version += 1
         self.steps = 0
@@ -297,6 +301,55 @@ class CompiledGraph:
                      "" if budget is None else f"{budget.solver} solver, ", max(self.plan.peak_evaluations, 1),
                      len(self.plan.saved), fmt_bytes(self.plan.peak.step))
 
+    def _aot_record(self, options: BackendOptions):
+        """Where this graph's plan is kept for AOTAutograd's cache, or None where that cache stays
+        off: a plan something re-plans from the joint graph (a byte memory_budget or a peak_budget,
+        which the step plans as a whole, remat.fit's search), the eager lowering, the plan cache off."""
+        from remat_fx import measured_fit as _fit
+
+        budget = options.memory_budget
+        if not plan_cache.enabled(options) or options.lower != "inductor" or _fit.searching() or \
+                any(v is not None for v in (options.peak_budget, options.peak_fraction, options.step_peak)) or \
+                (budget is not None and budget.nbytes is not None):
+            return None
+        return plan_cache.graph_record(self.key, options, self.global_state)
+
+    def _lower(self, options: BackendOptions, record, lookup: bool = True):
+        """The compiled graph, its plan, joint graph and gradient bytes set; None after a hit in
+        AOTAutograd's cache (``record`` given, ``lookup``) whose plan the record does not have."""
+        keep = None
+        if record is not None:
+            def keep(plan):  # the plan as its backward was compiled, for the next process's hit
+                plan_cache.save_record(record, plan, self.grads, self.primals)
+        hits = plan_cache.aot_cache_hits()
+        with _partition.capture_joints() as joints:
+            fn = lower(self.gm, self.example_inputs, options, aot_cache=keep, aot_lookup=lookup)
+        self.aot_hit = False
+        if joints:
+            self.joint = joints[-1]
+            self.plan = last_plan()
+            self.grads = _grad_bytes(self.joint)
+            self.primals = [n.name for n in self.joint[0].graph.nodes
+                            if n.op == "placeholder" and not n.name.startswith("tangents")]
+            self.plan.graph = self.index
+            if record is not None:
+                plan_cache.save_record(record, self.plan, self.grads, self.primals)
+        elif record is not None and plan_cache.aot_cache_hits() > hits:
+            saved = plan_cache.load_record(record)
+            if saved is None:
+                return None
+            self.joint, self.plan, self.grads, self.primals = None, saved["plan"], saved["grads"], saved["primals"]
+            self.aot_hit = True
+            if self.plan is not None:  # made by an earlier process: none planned here
+                self.plan.graph, self.plan.from_cache = self.index, True
+                self.plan.partition_seconds, self.plan.peak_evaluations = 0.0, 0
+                record_plan(self.plan)
+                if options.report:
+                    print(self.plan)
+        elif record is not None:  # nothing partitioned, nothing found: a graph without a backward
+            plan_cache.save_record(record, None, 0, None)
+        return fn
+
     def _fakes(self, inputs) -> list:
         """The example inputs as fake tensors: the real ones Dynamo passed would keep the first
         call's inputs alive for good (and with them the autograd graph of the graph before it)."""
@@ -309,19 +362,21 @@ class CompiledGraph:
         return [self.fake_mode.from_tensor(x, static_shapes=True)
                 if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x for x in inputs]
 
-    def relower(self, options: BackendOptions) -> None:
+    def relower(self, options: BackendOptions, aot: bool = True) -> None:
         """Lower again with other options (outside Dynamo: in the fake mode it traced with)."""
         from torch._guards import TracingContext, detect_fake_mode, tracing
 
         self.gm = _copy_dynamo_graph(self.pristine)
         with tracing(TracingContext(self.fake_mode or detect_fake_mode(self.example_inputs))), \
                 self.global_state.restored():
-            self.compile(options)
+            self.compile(options, aot)
 
     def estimate(self, options: BackendOptions) -> Plan:
         """The plan ``options`` would give, from the joint graph alone (no lowering)."""
         from remat_fx.pareto import _tracing
 
+        if self.joint is None and self.aot_hit:  # loaded from AOTAutograd's cache: traced and partitioned again
+            self.relower(self.active, aot=False)
         gm, joint_inputs, kwargs = self.joint
         with _tracing(joint_inputs):
             _partition.partition(gm, joint_inputs, options=options, **kwargs)
@@ -335,11 +390,8 @@ class CompiledGraph:
         """Which of the graph's ``nargs`` inputs (by position) ``plan`` keeps for backward; None
         where the joint graph's inputs are not the call's one for one (AOTAutograd merged duplicate
         or aliased inputs, or flattened a tensor subclass)."""
-        if self.joint is None:
-            return None
-        gm, _, kwargs = self.joint
-        primals = [n.name for n in gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
-        if len(primals) != nargs:
+        primals = self.primals
+        if primals is None or len(primals) != nargs:
             return None
         where = {name: m for m, name in enumerate(primals)}
         return {where[s.storage] for s in plan.saved if s.storage in where}

@@ -267,11 +267,15 @@ def test_inductor_kernel_cache_is_keyed_by_remat_sources(tmp_path, monkeypatch):
     from torch._dynamo.utils import counters
     from torch._inductor.utils import fresh_cache
 
+    from remat_fx import plan_cache
     from remat_fx.passes import lower
 
     source = tmp_path / "rule.py"
     source.write_text("# rule 1\n")
-    monkeypatch.setattr(lower, "_SOURCES", lower._SOURCES + [source])
+    first = plan_cache.source_digest.__wrapped__(tmp_path)  # uncached: the files as they are now
+    # the package's digest, as if it had one more file
+    monkeypatch.setattr(lower, "source_digest",
+                        lambda: plan_cache.source_digest() + plan_cache.source_digest.__wrapped__(tmp_path))
     x = torch.randn(32, 32, requires_grad=True)
 
     def compile_once():
@@ -285,6 +289,7 @@ def test_inductor_kernel_cache_is_keyed_by_remat_sources(tmp_path, monkeypatch):
         assert compile_once() == (0, 2)  # (hits, misses) of the forward and the backward
         assert compile_once() == (2, 0)
         source.write_text("# rule 2\n")
+        assert plan_cache.source_digest.__wrapped__(tmp_path) != first
         assert compile_once() == (0, 2)
 
 class Holder(torch.nn.Module):

@@ -63,8 +63,8 @@ def test_second_process_makes_the_searched_plan_in_one_partition(tmp_path, budge
 
 def _mlp():
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 32))
-                                 for _ in range(4)])
+    block = lambda: torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 32))  # noqa: E731
+    return torch.nn.Sequential(*[block() for _ in range(4)])
 
 
 def _step(model, x, **options):
@@ -94,6 +94,10 @@ def test_an_entry_that_no_longer_gives_its_plan_is_searched_again_and_rewritten(
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     third, _ = _step(model, x, memory_budget=0.3)
     assert third.from_cache and third.peak.step == plan.peak.step
+    for broken in ("{}", "not json", '{"budgets": [[null, "x"]]}'):  # unreadable: searched again, written anew
+        entry.write_text(broken)
+        fourth, _ = _step(model, x, memory_budget=0.3)
+        assert not fourth.from_cache and json.loads(entry.read_text())["peak"] == plan.peak.step
 
 
 def test_other_options_are_another_entry_and_the_cache_can_be_turned_off(tmp_path, monkeypatch):
@@ -128,3 +132,58 @@ def test_the_key_reads_the_module_paths_the_names_come_from(tmp_path, monkeypatc
     stack = node.meta["nn_module_stack"]
     node.meta["nn_module_stack"] = {k: (path_ + ".renamed", cls) for k, (path_, cls) in stack.items()}
     assert path != plan_cache.entry(gm, *args, options).path
+
+
+AOT_STEP = r"""
+import json, torch
+import remat_fx as remat
+from torch._dynamo.utils import counters
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                            torch.nn.Linear(64, 32))
+x = torch.randn(16, 32)
+model(x).square().mean().backward()
+want = [p.grad.clone() for p in model.parameters()]
+model.zero_grad()
+f = torch.compile(model, backend="remat", fullgraph=True, options={"memory_budget": 0.3})
+for _ in range(2):  # the second call: the step view sees a whole step
+    model.zero_grad()
+    f(x).square().mean().backward()
+for p, w in zip(model.parameters(), want):
+    torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-5)
+p = remat.last_plan()
+hits = counters["aot_autograd"]["autograd_cache_hit"]
+from remat_fx.step import STEP
+(g,) = {c for c in STEP.finished() if c.plan is not None}
+estimate = g.estimate(g.active)  # from the joint graph: after a hit, traced and partitioned again first
+assert g.joint is not None
+print(json.dumps({"aot_hits": hits, "from_cache": p.from_cache, "estimate": estimate.total_bytes,
+                  "saved": [(s.name, s.bytes) for s in p.saved], "peak": p.peak.step, "step": str(remat.step_report()),
+                  "plan": str(p).replace("; the search's choice read from the plan cache", "")}))
+"""
+
+
+def test_a_second_process_loads_the_graphs_from_aotautograds_cache_with_their_plan(tmp_path):
+    """Inductor: the second process's AOTAutograd cache hit skips the joint graph's tracing and
+    partition; the plan, the step view and the gradients are the first process's."""
+    env = dict(os.environ, REMAT_FX_PLAN_CACHE="1", REMAT_FX_CACHE_DIR=str(tmp_path / "remat"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONPATH=str(ROOT))
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", AOT_STEP], capture_output=True, text=True, timeout=600, env=env,
+                             cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["aot_hits"] == 0 and not first["from_cache"]
+    assert len(list((tmp_path / "remat" / "plans").glob("graph-*.pkl"))) == 1
+    second = run()
+    assert second["aot_hits"] == 1 and second["from_cache"]  # no partition ran: the plan is the record's
+    for k in ("saved", "peak", "step", "plan", "estimate"):
+        assert second[k] == first[k], k
+    (record,) = (tmp_path / "remat" / "plans").glob("graph-*.pkl")
+    record.write_bytes(b"not a record")  # a hit without its plan: compiled again without AOTAutograd's cache
+    third = run()
+    assert third["aot_hits"] == 1 and third["peak"] == first["peak"] and third["saved"] == first["saved"]
+    assert plan_cache.load_record(record) is not None  # written again

@@ -41,16 +41,19 @@ class RematPartitioner(CustomPartitionerFn):
     peak counts (saved activations, tangents), and ``limit``: the byte peak_budget its lowering
     is checked on, for passes/lowered_peak.py."""
 
-    def __init__(self, options: BackendOptions, limit: Optional[int] = None):
+    def __init__(self, options: BackendOptions, limit: Optional[int] = None,
+                 compiled_backward: Optional[Callable] = None):
         self.options = options
         self.plan = None
         self.counted: set = set()
         self.limit = limit
+        self.compiled_backward = compiled_backward  # called with the plan once its backward is compiled
 
     def __getstate__(self):
         # Inductor pickles its config (this included) into the FX graph cache's entries: the plan
         # made here does not pickle, and an entry that fails to is not stored
-        return {"options": self.options, "plan": None, "counted": set(), "limit": self.limit}
+        return {"options": self.options, "plan": None, "counted": set(), "limit": self.limit,
+                "compiled_backward": None}
 
     def __call__(self, gm, joint_inputs, **kwargs):
         kwargs.pop("compiler", None)
@@ -188,7 +191,11 @@ def _compile_keeping_reruns_late(*args, schedules: Optional[dict] = None,
             config.patch(allow_buffer_reuse=config.allow_buffer_reuse and not keep_peak,
                          reorder_for_peak_memory=config.reorder_for_peak_memory and not keep_peak):
         if schedules is None:
-            return compile_fx_inner(*args, **kwargs)
+            compiled = compile_fx_inner(*args, **kwargs)
+            if kwargs.get("is_backward") and partitioner is not None and partitioner.plan is not None \
+                    and partitioner.compiled_backward is not None:
+                partitioner.compiled_backward(partitioner.plan)  # the plan as its backward was compiled
+            return compiled
         sink: list = []
         phase = "backward" if kwargs.get("is_backward") else "forward"
         check = None
@@ -292,16 +299,22 @@ def _input_names(gm) -> list:
     return names
 
 
-def lower(gm, example_inputs, options: BackendOptions):
+def lower(gm, example_inputs, options: BackendOptions, aot_cache: Optional[Callable] = None,
+          aot_lookup: bool = True):
+    """The compiled graph. ``aot_cache``: under Inductor without a byte peak_budget, AOTAutograd's
+    cache is used (unless not ``aot_lookup``; a hit loads the compiled graphs without partitioning
+    them: no plan is made) and ``aot_cache(plan)`` is called once the backward is compiled
+    (remat_fx/step.py keeps the plan for the next process's hit)."""
     with input_names(_input_names(gm)):
-        return _lower(gm, example_inputs, options)
+        return _lower(gm, example_inputs, options, aot_cache, aot_lookup)
 
 
-def _lower(gm, example_inputs, options: BackendOptions):
+def _lower(gm, example_inputs, options: BackendOptions, aot_cache: Optional[Callable] = None,
+           aot_lookup: bool = True):
     if options.lower == "inductor":
         if options.peak_budget is not None and lowered_peak.available():
             return _lower_within_peak(gm, example_inputs, options)
-        return _inductor(gm, example_inputs, options)[0]
+        return _inductor(gm, example_inputs, options, aot_cache=aot_cache, aot_lookup=aot_lookup)[0]
     partitioner = RematPartitioner(options)
 
     def backward(bw, example_inputs):  # compiled at its first call (the step is known: _shortened)
@@ -315,16 +328,17 @@ def _lower(gm, example_inputs, options: BackendOptions):
 
 
 def _inductor(gm, example_inputs, options: BackendOptions, schedules: Optional[dict] = None,
-              limit: Optional[int] = None):
+              limit: Optional[int] = None, aot_cache: Optional[Callable] = None, aot_lookup: bool = True):
     """(compiled, its partition's plan or None) with Inductor; ``schedules``: filled with the
     forward's and the backward's Schedule (passes/lowered_peak.py), both compiled now; ``limit``: a
-    byte peak_budget over which the compile ends at the backward's schedule (_OverLimit)."""
+    byte peak_budget over which the compile ends at the backward's schedule (_OverLimit);
+    ``aot_cache``: as in :func:`lower`."""
     from torch._inductor.compile_fx import compile_fx
 
-    partitioner = RematPartitioner(options, limit)
-    # AOTAutograd's cache would skip our partition on a hit, and with it the Plan:
-    # Inductor's own kernel cache still applies
-    patches = {"enable_autograd_cache": False}
+    partitioner = RematPartitioner(options, limit, aot_cache)
+    # AOTAutograd's cache skips our partition on a hit, and with it the Plan: only where the
+    # step keeps the plan for it (aot_cache); Inductor's own FX graph and kernel caches still apply
+    patches = {"enable_autograd_cache": aot_cache is not None and aot_lookup and schedules is None}
     if schedules is not None:
         patches["force_non_lazy_backward_lowering"] = True
     with torch._functorch.config.patch(**patches):

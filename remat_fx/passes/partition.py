@@ -200,8 +200,9 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             by_tags[same] = (fw, bw, plan, report.estimated_cost_s)
             return fw, bw, plan, new_tags
 
+        searched = bool(budgets) or _peak_budgeted(options)  # without a budget there is no search to keep
         entry = plan_cache.entry(joint_gm, num_fwd_outputs, static_lifetime_input_indices, options) \
-            if plan_cache.enabled(options) else None
+            if searched and plan_cache.enabled(options) else None
         found = None if entry is None else _replay(cut, entry)
         if found is not None:
             fw, bw, plan, tags = found

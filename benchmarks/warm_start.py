@@ -1,0 +1,119 @@
+"""The first step of a job's second process: what a restart, the next run of a sweep or a rerun
+after a crash pays, against PyTorch's own at the same budget.
+
+Each variant runs in two fresh processes that share one Inductor cache folder and one remat cache
+folder, both new for the variant: the first process compiles from nothing (Inductor's kernels,
+its FX graph cache and AOTAutograd's cache are written; remat's plan cache too), the second
+finds what the first wrote. PyTorch's second process hits AOTAutograd's cache, which skips the
+tracing of the joint graph, the partition and the lowering; remat keeps that cache off (a hit
+would skip its partition, and with it the plan and the joint graph its step planning re-plans
+from), so its second process traces and partitions again, replays the plan cache's choice and
+finds Inductor's compiled graphs in the FX graph cache (docs/compiler.md#the-plan-cache).
+
+    python benchmarks/warm_start.py --budgets 0.3,0.1 --monotone nearest,grid
+
+The model is benchmarks/gpu.py's (an HF Llama built from config; defaults here: 8 layers, hidden
+128, batch 4 x 256, CPU, one thread).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child(args) -> None:
+    """One process: build the model, compile, time the first step, print a JSON line."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    torch.set_num_threads(args.threads)
+    import remat_fx as remat
+    from benchmarks.gpu import build
+
+    args.device = torch.device(args.device)
+    model, ids = build(args)
+    if args.backend == "torch":
+        torch._functorch.config.activation_memory_budget = args.budget
+        fn = torch.compile(model)
+    else:
+        fn = torch.compile(model, backend="remat", options={"memory_budget": args.budget, "monotone": args.mode})
+    t0 = time.perf_counter()
+    fn(ids, labels=ids).loss.backward()
+    first = time.perf_counter() - t0
+    from torch._dynamo.utils import counters
+
+    plan = remat.last_plan() if args.backend == "remat" else None
+    print(json.dumps({"first_s": first, "planning_s": plan.partition_seconds if plan else None,
+                      "partitions": plan.peak_evaluations if plan else None,
+                      "from_cache": plan.from_cache if plan else None,
+                      "fx_graph_cache_hits": counters["inductor"].get("fxgraph_cache_hit", 0),
+                      "aot_autograd_cache_hits": counters["aot_autograd"].get("autograd_cache_hit", 0)}))
+
+
+def run_twice(args, backend: str, budget: float, mode: str) -> list:
+    with tempfile.TemporaryDirectory() as inductor, tempfile.TemporaryDirectory() as remat_dir:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor, REMAT_FX_CACHE_DIR=remat_dir,
+                   REMAT_FX_PLAN_CACHE="1", OMP_NUM_THREADS=str(args.threads))
+        cmd = [sys.executable, __file__, "--child", backend, "--budget", str(budget), "--mode", mode,
+               *[f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "vocab", "batch", "seq", "device",
+                                                       "threads")]]
+        out = []
+        for _ in range(2):
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+            if proc.returncode != 0:
+                raise SystemExit(f"{backend} {budget} {mode}: {proc.stderr[-3000:]}")
+            out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budgets", default="0.3,0.1")
+    ap.add_argument("--monotone", default="nearest,grid")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--child", default=None, choices=["torch", "remat"], help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="nearest", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.model = "llama"
+    if args.child:
+        args.backend = args.child
+        child(args)
+        return
+    rows = ["| variant | first process: first step s (planning s, partitions) | second process: first step s | "
+            "second / PyTorch's second |", "|---|---:|---:|---:|"]
+    for budget in (float(b) for b in args.budgets.split(",")):
+        torch_runs = run_twice(args, "torch", budget, "")
+        base = torch_runs[1]["first_s"]
+        rows.append(f"| PyTorch budget {budget:g} | {torch_runs[0]['first_s']:.1f} | {base:.1f} (AOTAutograd cache "
+                    f"hits {torch_runs[1]['aot_autograd_cache_hits']}) | 1.00 |")
+        print(rows[-1], flush=True)
+        for mode in args.monotone.split(","):
+            cold, warm = run_twice(args, "remat", budget, mode)
+            how = "AOTAutograd cache hit, plan from the record" if warm["aot_autograd_cache_hits"] else \
+                f"planning {warm['planning_s']:.1f} s, {warm['partitions']} partitions" + \
+                (", the plan cache's choice" if warm["from_cache"] else "")
+            rows.append(f"| remat memory_budget {budget:g}, monotone {mode} | {cold['first_s']:.1f} "
+                        f"({cold['planning_s']:.1f}, {cold['partitions']}) | {warm['first_s']:.1f} ({how}) | "
+                        f"{warm['first_s'] / base:.2f} |")
+            print(rows[-1], flush=True)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
