@@ -16,8 +16,8 @@ budget whose measured peak fits is kept, with its plans in place. If none fits, 
 
 The choice is cached on disk (``cache_dir``, default ``$REMAT_FX_CACHE_DIR`` or
 ``~/.cache/remat_fx``), keyed by each graph (its code, its inputs' shapes and dtypes, the torch
-version, remat_fx's own source), its options and the limit: the next run of the same job compiles each graph straight
-at the chosen budget, measures once, and searches no more.
+version, remat_fx's own source), its options and the limit: the next run of the same job compiles
+each graph straight at the chosen budget, measures once, and searches no more.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import pathlib
 import time
 import weakref
@@ -40,7 +39,7 @@ from remat_fx.memory_budget import fmt_bytes, parse_budget
 from remat_fx.options import BackendOptions
 from remat_fx.passes.peak import PeakInfeasible
 from remat_fx.passes.plan import record
-from remat_fx.plan_cache import cache_root, source_digest
+from remat_fx.plan_cache import cache_root, source_digest, write_atomic
 from remat_fx.ranks import agreed, together
 from remat_fx.step import STEP, CompiledGraph, _signature, auto_limit, candidates, estimate_curve, shared_options
 
@@ -81,8 +80,6 @@ class _Scope:
 _ACTIVE: List[_Scope] = []
 
 
-
-
 def _entry(graph: CompiledGraph, options: BackendOptions, limit: int) -> str:
     from remat_fx import __version__
 
@@ -110,13 +107,10 @@ def cached_options(graph: CompiledGraph, options: BackendOptions) -> Optional[Ba
 
 
 def _save(graphs, fraction, measured, scope: _Scope) -> None:
-    scope.directory.mkdir(parents=True, exist_ok=True)
     for g in graphs:
-        path = scope.directory / _entry(g, g.options, scope.limit)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"fraction": fraction, "measured": measured, "limit": scope.limit,
-                                   "graph": g.key, "torch": torch.__version__}))
-        os.replace(tmp, path)
+        write_atomic(scope.directory / _entry(g, g.options, scope.limit),
+                     json.dumps({"fraction": fraction, "measured": measured, "limit": scope.limit,
+                                 "graph": g.key, "torch": torch.__version__}).encode())
 
 
 def _limit(peak) -> int:

@@ -20,6 +20,7 @@ measure again.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -57,6 +58,15 @@ def source_digest(package: pathlib.Path = _PACKAGE) -> str:
         digest.update(str(path.relative_to(package)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def write_atomic(path: pathlib.Path, data: bytes) -> None:
+    """Writes ``path`` whole or not at all (a process reading it meanwhile sees the old file or the
+    new one): through a file of this process's own beside it, renamed over it. Raises OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def enabled(options) -> bool:
@@ -106,10 +116,7 @@ class Entry:
                   "report": None if report is None else {k: getattr(report, k) for k in REPORT_NOTES},
                   "saved": plan.total_bytes, "peak": plan.peak.step, "torch": torch.__version__}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(record).encode())
         except OSError:
             pass  # a read-only or full disk: the next process searches again
 
@@ -164,10 +171,7 @@ def save_record(path: pathlib.Path, plan, grads: int, primals: Optional[List[str
     if plan is not None:
         plan = _portable(plan)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(pickle.dumps({"plan": plan, "grads": grads, "primals": primals}))
-        os.replace(tmp, path)
+        write_atomic(path, pickle.dumps({"plan": plan, "grads": grads, "primals": primals}))
     except (OSError, pickle.PicklingError, TypeError, AttributeError):
         pass  # the next process traces and partitions the graph again
 
@@ -182,8 +186,6 @@ def load_record(path: pathlib.Path) -> Optional[dict]:
 
 def _portable(plan):
     """A copy of ``plan`` without what holds the graph (the rerun search's programs)."""
-    import copy
-
     plan = copy.copy(plan)
     if plan.rerun is not None and getattr(plan.rerun, "_steps", None) is not None:
         plan.rerun = copy.copy(plan.rerun)

@@ -266,7 +266,6 @@ class CompiledGraph:
         self.joint = None  # (joint graph, joint inputs, partition kwargs); None after an AOTAutograd cache hit
         self.primals: Optional[List[str]] = None  # the joint graph's primal inputs, by name
         self.grads = 0
-        self.aot_hit = False  # loaded from AOTAutograd's cache, its plan from the plan cache's record
         self.active: Optional[BackendOptions] = None  # what it was lowered with
         self.over = False  # planned with less than the step's limit left for it
         self.first_compile = True  # compiled on its frame's first compile (not a recompile on new shapes)
@@ -324,7 +323,6 @@ class CompiledGraph:
         hits = plan_cache.aot_cache_hits()
         with _partition.capture_joints() as joints:
             fn = lower(self.gm, self.example_inputs, options, aot_cache=keep, aot_lookup=lookup)
-        self.aot_hit = False
         if joints:
             self.joint = joints[-1]
             self.plan = last_plan()
@@ -339,7 +337,6 @@ class CompiledGraph:
             if saved is None:
                 return None
             self.joint, self.plan, self.grads, self.primals = None, saved["plan"], saved["grads"], saved["primals"]
-            self.aot_hit = True
             if self.plan is not None:  # made by an earlier process: none planned here
                 self.plan.graph, self.plan.from_cache = self.index, True
                 self.plan.partition_seconds, self.plan.peak_evaluations = 0.0, 0
@@ -375,7 +372,7 @@ class CompiledGraph:
         """The plan ``options`` would give, from the joint graph alone (no lowering)."""
         from remat_fx.pareto import _tracing
 
-        if self.joint is None and self.aot_hit:  # loaded from AOTAutograd's cache: traced and partitioned again
+        if self.joint is None:  # loaded from AOTAutograd's cache: traced and partitioned again
             self.relower(self.active, aot=False)
         gm, joint_inputs, kwargs = self.joint
         with _tracing(joint_inputs):

@@ -204,18 +204,15 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         entry = plan_cache.entry(joint_gm, num_fwd_outputs, static_lifetime_input_indices, options) \
             if searched and plan_cache.enabled(options) else None
         found = None if entry is None else _replay(cut, entry)
-        if found is not None:
-            fw, bw, plan, tags = found
-            plan.peak_evaluations = len(cuts)
-        elif not _peak_budgeted(options):
-            chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
-            found = chosen if options.peak_slack <= 0 else \
-                monotone_peak(cut, budgets, chosen, options.peak_slack, whole_grid=options.monotone == "grid")
-            fw, bw, plan, tags = found
-            plan.peak_evaluations = len(cuts)
+        if found is None and _peak_budgeted(options):
+            found = fit_peak(cut, budgets, options.peak_budget, options.peak_fraction)  # counts its own plans
         else:
-            found = fit_peak(cut, budgets, options.peak_budget, options.peak_fraction)
-            fw, bw, plan, tags = found
+            if found is None:
+                chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
+                found = chosen if options.peak_slack <= 0 else \
+                    monotone_peak(cut, budgets, chosen, options.peak_slack, whole_grid=options.monotone == "grid")
+            found[2].peak_evaluations = len(cuts)
+        fw, bw, plan, tags = found
         if entry is not None and not plan.from_cache and id(found) in asked:
             entry.store(*asked[id(found)], plan)
     check_follows_tags(joint.names, tags, bw)
