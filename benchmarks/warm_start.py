@@ -3,17 +3,17 @@ after a crash pays, against PyTorch's own at the same budget.
 
 Each variant runs in two fresh processes that share one Inductor cache folder and one remat cache
 folder, both new for the variant: the first process compiles from nothing (Inductor's kernels,
-its FX graph cache and AOTAutograd's cache are written; remat's plan cache too), the second
-finds what the first wrote. PyTorch's second process hits AOTAutograd's cache, which skips the
-tracing of the joint graph, the partition and the lowering; remat keeps that cache off (a hit
-would skip its partition, and with it the plan and the joint graph its step planning re-plans
-from), so its second process traces and partitions again, replays the plan cache's choice and
-finds Inductor's compiled graphs in the FX graph cache (docs/compiler.md#the-plan-cache).
+its FX graph cache and AOTAutograd's cache are written; remat's plan cache and graph records too),
+the second finds what the first wrote. Both PyTorch's and remat's second process hit AOTAutograd's
+cache, which skips the tracing of the joint graph, the partition and the lowering; remat reads
+each graph's plan from its record (docs/compiler.md#the-plan-cache).
 
-    python benchmarks/warm_start.py --budgets 0.3,0.1 --monotone nearest,grid
+    python benchmarks/warm_start.py --budgets 0.3,0.1,7MiB --monotone nearest,grid
 
-The model is benchmarks/gpu.py's (an HF Llama built from config; defaults here: 8 layers, hidden
-128, batch 4 x 256, CPU, one thread).
+A budget is a fraction or a size ("7MiB", remat only: PyTorch's budget is a fraction); a size's
+rows are compared with the PyTorch budget before it in the list. The model is benchmarks/gpu.py's
+(an HF Llama built from config; defaults here: 8 layers, hidden 128, batch 4 x 256, CPU, one
+thread).
 """
 from __future__ import annotations
 
@@ -58,6 +58,14 @@ def child(args) -> None:
                       "aot_autograd_cache_hits": counters["aot_autograd"].get("autograd_cache_hit", 0)}))
 
 
+def _budget(text: str):
+    """A fraction (0.3) or a size ("7MiB"), as memory_budget takes them."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def run_twice(args, backend: str, budget: float, mode: str) -> list:
     with tempfile.TemporaryDirectory() as inductor, tempfile.TemporaryDirectory() as remat_dir:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor, REMAT_FX_CACHE_DIR=remat_dir,
@@ -87,7 +95,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--child", default=None, choices=["torch", "remat"], help=argparse.SUPPRESS)
-    ap.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=_budget, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="nearest", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.model = "llama"
@@ -97,20 +105,23 @@ def main() -> None:
         return
     rows = ["| variant | first process: first step s (planning s, partitions) | second process: first step s | "
             "second / PyTorch's second |", "|---|---:|---:|---:|"]
-    for budget in (float(b) for b in args.budgets.split(",")):
-        torch_runs = run_twice(args, "torch", budget, "")
-        base = torch_runs[1]["first_s"]
-        rows.append(f"| PyTorch budget {budget:g} | {torch_runs[0]['first_s']:.1f} | {base:.1f} (AOTAutograd cache "
-                    f"hits {torch_runs[1]['aot_autograd_cache_hits']}) | 1.00 |")
-        print(rows[-1], flush=True)
+    base = None  # PyTorch's second process at the last fraction budget
+    for budget in (_budget(b) for b in args.budgets.split(",")):
+        if isinstance(budget, float):
+            torch_runs = run_twice(args, "torch", budget, "")
+            base = torch_runs[1]["first_s"]
+            rows.append(f"| PyTorch budget {budget:g} | {torch_runs[0]['first_s']:.1f} | {base:.1f} (AOTAutograd "
+                        f"cache hits {torch_runs[1]['aot_autograd_cache_hits']}) | 1.00 |")
+            print(rows[-1], flush=True)
         for mode in args.monotone.split(","):
             cold, warm = run_twice(args, "remat", budget, mode)
             how = "AOTAutograd cache hit, plan from the record" if warm["aot_autograd_cache_hits"] else \
                 f"planning {warm['planning_s']:.1f} s, {warm['partitions']} partitions" + \
                 (", the plan cache's choice" if warm["from_cache"] else "")
-            rows.append(f"| remat memory_budget {budget:g}, monotone {mode} | {cold['first_s']:.1f} "
-                        f"({cold['planning_s']:.1f}, {cold['partitions']}) | {warm['first_s']:.1f} ({how}) | "
-                        f"{warm['first_s'] / base:.2f} |")
+            ratio = "" if base is None else f"{warm['first_s'] / base:.2f}"
+            label = f"{budget:g}" if isinstance(budget, float) else budget
+            rows.append(f"| remat memory_budget {label}, monotone {mode} | {cold['first_s']:.1f} "
+                        f"({cold['planning_s']:.1f}, {cold['partitions']}) | {warm['first_s']:.1f} ({how}) | {ratio} |")
             print(rows[-1], flush=True)
     print("\n".join(rows))
 

@@ -302,14 +302,16 @@ class CompiledGraph:
 
     def _aot_record(self, options: BackendOptions):
         """Where this graph's plan is kept for AOTAutograd's cache, or None where that cache stays
-        off: a plan something re-plans from the joint graph (a byte memory_budget or a peak_budget,
-        which the step plans as a whole, remat.fit's search), the eager lowering, the plan cache off."""
+        off: a byte peak_budget (passes/lower.py checks Inductor's own schedule against it, lowering
+        up to four times), remat.fit's search (it lowers each graph under many options, measured,
+        not kept), the eager lowering, the plan cache off. A byte memory_budget is cached: the
+        budget a later graph of the step is compiled with (what the graphs before it left) is in
+        its options, so in the key; where the step is planned again as a whole, the estimates
+        trace a graph loaded from the cache again (estimate)."""
         from remat_fx import measured_fit as _fit
 
-        budget = options.memory_budget
         if not plan_cache.enabled(options) or options.lower != "inductor" or _fit.searching() or \
-                any(v is not None for v in (options.peak_budget, options.peak_fraction, options.step_peak)) or \
-                (budget is not None and budget.nbytes is not None):
+                options.peak_budget is not None:
             return None
         return plan_cache.graph_record(self.key, options, self.global_state)
 

@@ -136,55 +136,88 @@ def test_the_key_reads_the_module_paths_the_names_come_from(tmp_path, monkeypatc
 
 
 AOT_STEP = r"""
-import json, torch
+import json, sys, torch
 import remat_fx as remat
 from torch._dynamo.utils import counters
+from remat_fx.step import STEP
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
-                            torch.nn.Linear(64, 32))
-x = torch.randn(16, 32)
-model(x).square().mean().backward()
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln, self.up, self.down = torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln(x))))
+
+
+class Model(torch.nn.Module):  # a graph break halfway: a step of two compiled graphs
+    def __init__(self, d=32, n=4):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(n))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if i == len(self.blocks) // 2:
+                torch._dynamo.graph_break()
+            x = block(x)
+        return x.square().mean()
+
+
+model = Model()
+x = torch.randn(4, 64, 32)
+model(x).backward()
 want = [p.grad.clone() for p in model.parameters()]
-model.zero_grad()
-f = torch.compile(model, backend="remat", fullgraph=True, options={"memory_budget": 0.3})
-for _ in range(2):  # the second call: the step view sees a whole step
+# half the step's saved bytes without a budget: each graph planned alone saves too much, so the step
+# is planned again as a whole with one shared fraction (graphs compiled under byte budgets, then that)
+f = torch.compile(model, backend="remat", options={"memory_budget": int(sys.argv[1])})
+for _ in range(2):
     model.zero_grad()
-    f(x).square().mean().backward()
+    f(x).backward()
 for p, w in zip(model.parameters(), want):
     torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-5)
-p = remat.last_plan()
+graphs = sorted({c for c in STEP.finished() if c.plan is not None}, key=lambda g: g.index)
 hits = counters["aot_autograd"]["autograd_cache_hit"]
-from remat_fx.step import STEP
-(g,) = {c for c in STEP.finished() if c.plan is not None}
-estimate = g.estimate(g.active)  # from the joint graph: after a hit, traced and partitioned again first
-assert g.joint is not None
-print(json.dumps({"aot_hits": hits, "from_cache": p.from_cache, "estimate": estimate.total_bytes,
-                  "saved": [(s.name, s.bytes) for s in p.saved], "peak": p.peak.step, "step": str(remat.step_report()),
-                  "plan": str(p).replace("; the search's choice read from the plan cache", "")}))
+from_cache = [g.plan.from_cache for g in graphs]
+partitions = [g.plan.peak_evaluations for g in graphs]  # 0: no partition ran (a hit), 1: the plan cache's replay
+plans = [str(g.plan).replace("; the search's choice read from the plan cache", "") for g in graphs]
+step = str(remat.step_report())
+estimates = [g.estimate(g.active).total_bytes for g in graphs]  # after a hit: traced and partitioned again first
+assert all(g.joint is not None for g in graphs)
+print(json.dumps({"aot_hits": hits, "from_cache": from_cache, "partitions": partitions, "shared": STEP.step_plan and STEP.step_plan.fraction,
+                  "saved": [[(s.name, s.bytes) for s in g.plan.saved] for g in graphs], "estimate": estimates,
+                  "peak": [g.plan.peak.step for g in graphs], "step": step, "plan": plans}))
 """
 
 
 def test_a_second_process_loads_the_graphs_from_aotautograds_cache_with_their_plan(tmp_path):
-    """Inductor: the second process's AOTAutograd cache hit skips the joint graph's tracing and
-    partition; the plan, the step view and the gradients are the first process's."""
+    """Inductor: the second process's AOTAutograd cache hits skip the joint graphs' tracing and
+    partition, for the graphs compiled under a byte memory_budget (the second graph's is what the
+    first left) and for the step planned again as a whole; the plans, the step view and the
+    gradients are the first process's."""
     env = dict(os.environ, REMAT_FX_PLAN_CACHE="1", REMAT_FX_CACHE_DIR=str(tmp_path / "remat"),
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONPATH=str(ROOT))
 
     def run():
-        out = subprocess.run([sys.executable, "-c", AOT_STEP], capture_output=True, text=True, timeout=600, env=env,
-                             cwd=tmp_path)
+        out = subprocess.run([sys.executable, "-c", AOT_STEP, "593920"], capture_output=True, text=True, timeout=600,
+                             env=env, cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     first = run()
-    assert first["aot_hits"] == 0 and not first["from_cache"]
-    assert len(list((tmp_path / "remat" / "plans").glob("graph-*.pkl"))) == 1
+    assert first["aot_hits"] == 0
+    assert first["shared"] is not None  # the step was planned as a whole: each graph lowered again
+    # with the plans its estimates searched for (the plan cache, in this process)
+    assert first["from_cache"] == [True, True] and first["partitions"] == [1, 1]
+    records = sorted((tmp_path / "remat" / "plans").glob("graph-*.pkl"))
+    assert len(records) == 4  # two graphs, under their byte budgets and under the shared fraction
     second = run()
-    assert second["aot_hits"] == 1 and second["from_cache"]  # no partition ran: the plan is the record's
-    for k in ("saved", "peak", "step", "plan", "estimate"):
+    assert second["aot_hits"] == 4 and second["from_cache"] == [True, True]
+    assert second["partitions"] == [0, 0]  # no partition ran
+    for k in ("shared", "saved", "peak", "step", "plan", "estimate"):
         assert second[k] == first[k], k
-    (record,) = (tmp_path / "remat" / "plans").glob("graph-*.pkl")
-    record.write_bytes(b"not a record")  # a hit without its plan: compiled again without AOTAutograd's cache
+    records[0].write_bytes(b"not a record")  # a hit without its plan: compiled again without AOTAutograd's cache
     third = run()
-    assert third["aot_hits"] == 1 and third["peak"] == first["peak"] and third["saved"] == first["saved"]
-    assert plan_cache.load_record(record) is not None  # written again
+    assert third["aot_hits"] == 4 and third["peak"] == first["peak"] and third["saved"] == first["saved"]
+    assert plan_cache.load_record(records[0]) is not None  # written again
