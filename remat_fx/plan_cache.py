@@ -65,8 +65,11 @@ def write_atomic(path: pathlib.Path, data: bytes) -> None:
     new one): through a file of this process's own beside it, renamed over it. Raises OSError."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a full disk: no partial file left behind
 
 
 def enabled(options) -> bool:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import remat_fx as remat
@@ -221,3 +222,19 @@ def test_a_second_process_loads_the_graphs_from_aotautograds_cache_with_their_pl
     third = run()
     assert third["aot_hits"] == 4 and third["peak"] == first["peak"] and third["saved"] == first["saved"]
     assert plan_cache.load_record(records[0]) is not None  # written again
+
+
+def test_a_failed_write_leaves_neither_a_partial_entry_nor_its_temporary_file(tmp_path, monkeypatch):
+    """write_atomic (every cache writer's): the old file or the new one, never a part, and no
+    temporary file left in the folder when the write fails (a full disk)."""
+    path = tmp_path / "plans" / "plan-x.json"
+    plan_cache.write_atomic(path, b"old")
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plan_cache.os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        plan_cache.write_atomic(path, b"new")
+    assert path.read_bytes() == b"old"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["plan-x.json"]
