@@ -13,6 +13,7 @@ import torch
 
 import remat_fx as remat
 from remat_fx import plan_cache
+from tests.test_step import MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,37 +137,14 @@ def test_the_key_reads_the_module_paths_the_names_come_from(tmp_path, monkeypatc
     assert path != plan_cache.entry(gm, *args, options).path
 
 
-AOT_STEP = r"""
-import json, sys, torch
+AOT_STEP = MODEL + r"""
+import json, sys
 import remat_fx as remat
 from torch._dynamo.utils import counters
 from remat_fx.step import STEP
 torch.manual_seed(0)
 
-
-class Block(torch.nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.ln, self.up, self.down = torch.nn.LayerNorm(d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(self.ln(x))))
-
-
-class Model(torch.nn.Module):  # a graph break halfway: a step of two compiled graphs
-    def __init__(self, d=32, n=4):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(n))
-
-    def forward(self, x):
-        for i, block in enumerate(self.blocks):
-            if i == len(self.blocks) // 2:
-                torch._dynamo.graph_break()
-            x = block(x)
-        return x.square().mean()
-
-
-model = Model()
+model = Model(d=32)  # blocks with a graph break halfway: a step of two compiled graphs
 x = torch.randn(4, 64, 32)
 model(x).backward()
 want = [p.grad.clone() for p in model.parameters()]
@@ -186,8 +164,9 @@ plans = [str(g.plan).replace("; the search's choice read from the plan cache", "
 step = str(remat.step_report())
 estimates = [g.estimate(g.active).total_bytes for g in graphs]  # after a hit: traced and partitioned again first
 assert all(g.joint is not None for g in graphs)
-print(json.dumps({"aot_hits": hits, "from_cache": from_cache, "partitions": partitions, "shared": STEP.step_plan and STEP.step_plan.fraction,
-                  "saved": [[(s.name, s.bytes) for s in g.plan.saved] for g in graphs], "estimate": estimates,
+print(json.dumps({"aot_hits": hits, "from_cache": from_cache, "partitions": partitions,
+                  "shared": STEP.step_plan and STEP.step_plan.fraction, "estimate": estimates,
+                  "saved": [[(s.name, s.bytes) for s in g.plan.saved] for g in graphs],
                   "peak": [g.plan.peak.step for g in graphs], "step": step, "plan": plans}))
 """
 
