@@ -302,16 +302,15 @@ class CompiledGraph:
 
     def _aot_record(self, options: BackendOptions):
         """Where this graph's plan is kept for AOTAutograd's cache, or None where that cache stays
-        off: a byte peak_budget (passes/lower.py checks Inductor's own schedule against it, lowering
-        up to four times), remat.fit's search (it lowers each graph under many options, measured,
-        not kept), the eager lowering, the plan cache off. A byte memory_budget is cached: the
-        budget a later graph of the step is compiled with (what the graphs before it left) is in
-        its options, so in the key; where the step is planned again as a whole, the estimates
-        trace a graph loaded from the cache again (estimate)."""
+        off: remat.fit's search (it lowers each graph under many options, measured, not kept), the
+        eager lowering, the plan cache off. Byte budgets are cached: the budget a later graph of
+        the step is compiled with (what the graphs before it left) is in its options, so in the
+        key; where the step is planned again as a whole, the estimates trace a graph loaded from
+        the cache again (estimate). Under a byte peak_budget the lowering that met the limit in
+        Inductor's schedule is the one cached (passes/lower.py _lower_within_peak)."""
         from remat_fx import measured_fit as _fit
 
-        if not plan_cache.enabled(options) or options.lower != "inductor" or _fit.searching() or \
-                options.peak_budget is not None:
+        if not plan_cache.enabled(options) or options.lower != "inductor" or _fit.searching():
             return None
         return plan_cache.graph_record(self.key, options, self.global_state)
 

@@ -138,7 +138,7 @@ def test_the_key_reads_the_module_paths_the_names_come_from(tmp_path, monkeypatc
 
 
 AOT_STEP = MODEL + r"""
-import json, sys
+import json, re, sys
 import remat_fx as remat
 from torch._dynamo.utils import counters
 from remat_fx.step import STEP
@@ -148,9 +148,7 @@ model = Model(d=32)  # blocks with a graph break halfway: a step of two compiled
 x = torch.randn(4, 64, 32)
 model(x).backward()
 want = [p.grad.clone() for p in model.parameters()]
-# half the step's saved bytes without a budget: each graph planned alone saves too much, so the step
-# is planned again as a whole with one shared fraction (graphs compiled under byte budgets, then that)
-f = torch.compile(model, backend="remat", options={"memory_budget": int(sys.argv[1])})
+f = torch.compile(model, backend="remat", options=json.loads(sys.argv[1]))
 for _ in range(2):
     model.zero_grad()
     f(x).backward()
@@ -160,15 +158,31 @@ graphs = sorted({c for c in STEP.finished() if c.plan is not None}, key=lambda g
 hits = counters["aot_autograd"]["autograd_cache_hit"]
 from_cache = [g.plan.from_cache for g in graphs]
 partitions = [g.plan.peak_evaluations for g in graphs]  # 0: no partition ran (a hit), 1: the plan cache's replay
-plans = [str(g.plan).replace("; the search's choice read from the plan cache", "") for g in graphs]
+# the text less what a hit changes: the search's count of plans and the cache's marks
+plans = [re.sub(r" \(\d+ plans estimated\)", "", str(g.plan).replace("; the search's choice read from the plan cache", ""))
+         for g in graphs]
 step = str(remat.step_report())
 estimates = [g.estimate(g.active).total_bytes for g in graphs]  # after a hit: traced and partitioned again first
 assert all(g.joint is not None for g in graphs)
 print(json.dumps({"aot_hits": hits, "from_cache": from_cache, "partitions": partitions,
                   "shared": STEP.step_plan and STEP.step_plan.fraction, "estimate": estimates,
                   "saved": [[(s.name, s.bytes) for s in g.plan.saved] for g in graphs],
-                  "peak": [g.plan.peak.step for g in graphs], "step": step, "plan": plans}))
+                  "peak": [g.plan.peak.step for g in graphs], "step": step, "plan": plans,
+                  "lowered": [repr(g.plan.lowered) for g in graphs]}))
 """
+
+
+def _aot_runner(tmp_path, options):
+    env = dict(os.environ, REMAT_FX_PLAN_CACHE="1", REMAT_FX_CACHE_DIR=str(tmp_path / "remat"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONPATH=str(ROOT))
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", AOT_STEP, json.dumps(options)], capture_output=True, text=True,
+                             timeout=600, env=env, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    return run
 
 
 def test_a_second_process_loads_the_graphs_from_aotautograds_cache_with_their_plan(tmp_path):
@@ -176,15 +190,9 @@ def test_a_second_process_loads_the_graphs_from_aotautograds_cache_with_their_pl
     partition, for the graphs compiled under a byte memory_budget (the second graph's is what the
     first left) and for the step planned again as a whole; the plans, the step view and the
     gradients are the first process's."""
-    env = dict(os.environ, REMAT_FX_PLAN_CACHE="1", REMAT_FX_CACHE_DIR=str(tmp_path / "remat"),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONPATH=str(ROOT))
-
-    def run():
-        out = subprocess.run([sys.executable, "-c", AOT_STEP, "593920"], capture_output=True, text=True, timeout=600,
-                             env=env, cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
+    # half the step's saved bytes without a budget: each graph planned alone saves too much, so the
+    # step is planned again as a whole with one shared fraction (graphs compiled under byte budgets, then that)
+    run = _aot_runner(tmp_path, {"memory_budget": 593920})
     first = run()
     assert first["aot_hits"] == 0
     assert first["shared"] is not None  # the step was planned as a whole: each graph lowered again
@@ -217,3 +225,48 @@ def test_a_failed_write_leaves_neither_a_partial_entry_nor_its_temporary_file(tm
         plan_cache.write_atomic(path, b"new")
     assert path.read_bytes() == b"old"
     assert sorted(p.name for p in path.parent.iterdir()) == ["plan-x.json"]
+
+
+def test_a_byte_peak_budget_caches_the_lowering_that_met_it_in_inductors_schedule(tmp_path):
+    """A byte peak_budget is checked against Inductor's schedules of the lowered graphs: the first
+    process's lowering that met it is what AOTAutograd's cache keeps, and the second process loads
+    it with the plan and the lowered estimate that were checked."""
+    run = _aot_runner(tmp_path, {"peak_budget": 460_800})  # 450 KiB: under the step's 562 KiB without it
+    first = run()
+    assert first["aot_hits"] == 0 and "None" not in first["lowered"]  # checked on the schedules
+    second = run()
+    assert second["aot_hits"] == 2 and second["from_cache"] == [True, True] and second["partitions"] == [0, 0]
+    for k in ("saved", "peak", "step", "plan", "lowered", "estimate"):
+        assert second[k] == first[k], k
+    assert "peak_budget 450.00 KiB" in second["step"]
+
+
+def test_a_lowering_from_the_fx_graph_cache_alone_is_scheduled_again_before_the_peak_budget_accepts_it(
+        tmp_path, monkeypatch):
+    """Inductor's FX graph cache gives a lowered graph without scheduling it again: under a byte
+    peak_budget such a lowering (here: the FX graph cache kept, AOTAutograd's entries removed) is
+    made again with the caches off, so that the plan's lowered estimate is read, not taken on trust."""
+    import shutil
+
+    from remat_fx.passes.lower import lower
+    from remat_fx.options import parse_options
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+    x = torch.randn(64, 32)
+    options = parse_options({"peak_budget": 200_000})
+    kept = []
+    lowered = []
+    for _ in range(2):
+        torch._dynamo.reset()
+
+        def backend(gm, example_inputs):
+            fn = lower(gm, example_inputs, options, aot_cache=kept.append)
+            lowered.append(remat.last_plan().lowered)
+            return fn
+
+        torch.compile(model, backend=backend, fullgraph=True)(x).sum().backward()
+        shutil.rmtree(tmp_path / "inductor" / "aotautograd", ignore_errors=True)
+    assert list((tmp_path / "inductor").glob("fxgraph/*/*"))  # the FX graph cache's entries stayed
+    assert lowered[0] is not None and lowered[1] == lowered[0]

@@ -176,7 +176,7 @@ class _OverLimit(Exception):
 
 
 def _compile_keeping_reruns_late(*args, schedules: Optional[dict] = None,
-                                 partitioner: Optional["RematPartitioner"] = None, **kwargs):
+                                 partitioner: Optional["RematPartitioner"] = None, cached: bool = False, **kwargs):
     """Inductor's compile of one graph (forward, or the backward: compiled lazily, at its first
     call), with the fusion choices of _KeepRerunsLate, and without Inductor's buffer reuse nor its
     reordering for peak memory where the budget made the plan (_keeps_peak)."""
@@ -200,12 +200,12 @@ def _compile_keeping_reruns_late(*args, schedules: Optional[dict] = None,
         phase = "backward" if kwargs.get("is_backward") else "forward"
         check = None
         if phase == "backward" and partitioner is not None and partitioner.limit is not None:
-            check = functools.partial(_check_backward, schedules, partitioner)
+            check = functools.partial(_check_backward, schedules, partitioner, cached)
         try:
-            with reading_schedules(sink, check):
+            with reading_schedules(sink, check, fx_graph_cache=cached):
                 compiled = compile_fx_inner(*args, **kwargs)
         except Exception as e:  # Inductor wraps what is raised inside it (InductorError)
-            if isinstance(getattr(e, "inner_exception", None), _OverLimit):
+            if isinstance(getattr(e, "inner_exception", None), (_OverLimit, _Unscheduled)):
                 raise e.inner_exception from None
             raise
         schedules[phase] = sink[-1] if sink else None
@@ -277,8 +277,16 @@ def _keeps_peak(partitioner: Optional["RematPartitioner"]) -> bool:
                                 and (plan.rerun is None or not plan.rerun.reruns))
 
 
-def _check_backward(schedules: dict, partitioner: "RematPartitioner", backward) -> None:
+class _Unscheduled(Exception):
+    """A backward compiled with its caches on whose forward came from Inductor's FX graph cache,
+    not scheduled: its compile is cut short, so that AOTAutograd's cache does not keep a lowering
+    that was not checked against the limit (_lower_within_peak lowers it again without the caches)."""
+
+
+def _check_backward(schedules: dict, partitioner: "RematPartitioner", cached: bool, backward) -> None:
     """Raises _OverLimit when the step peaks over the byte peak_budget with this backward schedule."""
+    if cached and schedules.get("forward") is None:
+        raise _Unscheduled()
     lowered = _lowered_estimate(partitioner.plan, dict(schedules, backward=backward, counted=partitioner.counted))
     if lowered is not None and lowered.step > partitioner.limit:
         raise _OverLimit(lowered, partitioner.plan)
@@ -313,7 +321,7 @@ def _lower(gm, example_inputs, options: BackendOptions, aot_cache: Optional[Call
            aot_lookup: bool = True):
     if options.lower == "inductor":
         if options.peak_budget is not None and lowered_peak.available():
-            return _lower_within_peak(gm, example_inputs, options)
+            return _lower_within_peak(gm, example_inputs, options, aot_cache, aot_lookup)
         return _inductor(gm, example_inputs, options, aot_cache=aot_cache, aot_lookup=aot_lookup)[0]
     partitioner = RematPartitioner(options)
 
@@ -337,14 +345,17 @@ def _inductor(gm, example_inputs, options: BackendOptions, schedules: Optional[d
 
     partitioner = RematPartitioner(options, limit, aot_cache)
     # AOTAutograd's cache skips our partition on a hit, and with it the Plan: only where the
-    # step keeps the plan for it (aot_cache); Inductor's own FX graph and kernel caches still apply
-    patches = {"enable_autograd_cache": aot_cache is not None and aot_lookup and schedules is None}
+    # step keeps the plan for it (aot_cache); Inductor's own FX graph and kernel caches still apply.
+    # A lowering whose schedules are read keeps Inductor's FX graph cache on with it (AOTAutograd's
+    # entries are made of its entries): a graph it loads has no schedule (_lower_within_peak)
+    cached = aot_cache is not None and aot_lookup
+    patches = {"enable_autograd_cache": cached}
     if schedules is not None:
         patches["force_non_lazy_backward_lowering"] = True
     with torch._functorch.config.patch(**patches):
         compiled = compile_fx(gm, example_inputs,
                               inner_compile=functools.partial(_compile_keeping_reruns_late, schedules=schedules,
-                                                              partitioner=partitioner),
+                                                              partitioner=partitioner, cached=cached),
                               config_patches={"custom_partitioner_fn": partitioner})
     if schedules is not None:
         schedules["counted"] = partitioner.counted
@@ -355,7 +366,8 @@ _LOWERINGS = 4  # Inductor compiles of one graph under a byte peak_budget, at mo
 _STEP = 0.02  # the least the limit is lowered by after a miss, as a fraction of it (doubling each time)
 
 
-def _lower_within_peak(gm, example_inputs, options: BackendOptions):
+def _lower_within_peak(gm, example_inputs, options: BackendOptions, aot_cache: Optional[Callable] = None,
+                       aot_lookup: bool = True):
     """A byte ``peak_budget`` under Inductor, checked against the lowered graphs: the plan is the
     fastest whose FX estimate fits the limit (passes/peak.py fit_peak); when Inductor's schedule of
     it (passes/lowered_peak.py) peaks over the limit, the graph is planned again under that plan's
@@ -364,7 +376,10 @@ def _lower_within_peak(gm, example_inputs, options: BackendOptions):
     again, up to ``_LOWERINGS`` compiles, each from a copy of the graph as Dynamo made it
     (Inductor's passes rewrite the graph they are given). Past that, or when no plan fits the
     lowered limit, ``PeakInfeasible`` names what the lowered plans peaked at. A graph without a
-    backward (inference) is compiled once, as it is."""
+    backward (inference) is compiled once, as it is. ``aot_cache`` (as in :func:`lower`): each
+    lowering looks in AOTAutograd's cache, where an earlier process left the one that met the limit
+    (a hit makes no partition: returned as it is); a lowering of which Inductor's FX graph cache
+    gave a graph, not scheduled then, is made again without the caches."""
     limit = options.peak_budget
     pristine = copy_dynamo_graph(gm)
     cap, step, tried = limit, _STEP * limit, []
@@ -372,8 +387,19 @@ def _lower_within_peak(gm, example_inputs, options: BackendOptions):
         schedules: dict = {}
         compiled = lowered = None
         try:
-            compiled, plan = _inductor(gm if attempt == 0 else copy_dynamo_graph(pristine), example_inputs,
-                                       dataclasses.replace(options, peak_budget=cap), schedules, limit)
+            try:
+                compiled, plan = _inductor(gm if attempt == 0 else copy_dynamo_graph(pristine), example_inputs,
+                                           dataclasses.replace(options, peak_budget=cap), schedules, limit,
+                                           aot_cache, aot_lookup)
+                # a graph from the FX graph cache (not scheduled again), or a schedule not read
+                unscheduled = plan is not None and aot_cache is not None and aot_lookup and \
+                    (schedules.get("forward") is None or schedules.get("backward") is None)
+            except _Unscheduled:
+                unscheduled = True
+            if unscheduled:
+                schedules = {}
+                compiled, plan = _inductor(copy_dynamo_graph(pristine), example_inputs,
+                                           dataclasses.replace(options, peak_budget=cap), schedules, limit)
         except _OverLimit as over:  # its backward's kernels were not compiled
             plan, lowered = over.plan, over.lowered
         except PeakInfeasible as e:

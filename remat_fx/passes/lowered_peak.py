@@ -148,12 +148,13 @@ def available() -> bool:
 
 
 @contextlib.contextmanager
-def reading_schedules(sink: List[Optional[Schedule]], check: Optional[Callable[[Schedule], None]] = None):
+def reading_schedules(sink: List[Optional[Schedule]], check: Optional[Callable[[Schedule], None]] = None,
+                      fx_graph_cache: bool = False):
     """Inside, each graph Inductor generates code for appends its :class:`Schedule` to ``sink``
     (None where it could not be read), and ``check(schedule)`` is called before Inductor compiles
     the generated kernels: an exception it raises ends the compile there. Inductor's FX graph cache
-    is off inside, since a graph loaded from it is not scheduled again (its kernels' compiled code
-    is still cached)."""
+    is off inside unless ``fx_graph_cache`` (a graph loaded from it is not scheduled again, and
+    appends nothing; its kernels' compiled code is cached either way)."""
     from torch._inductor import config
     from torch._inductor.scheduler import Scheduler
     from torch._inductor.virtualized import V
@@ -177,7 +178,7 @@ def reading_schedules(sink: List[Optional[Schedule]], check: Optional[Callable[[
 
     Scheduler.codegen = codegen
     try:
-        with config.patch(fx_graph_cache=False):
+        with config.patch(fx_graph_cache=config.fx_graph_cache and fx_graph_cache):
             yield sink
     finally:
         Scheduler.codegen = real
