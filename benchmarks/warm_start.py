@@ -8,10 +8,11 @@ the second finds what the first wrote. Both PyTorch's and remat's second process
 cache, which skips the tracing of the joint graph, the partition and the lowering; remat reads
 each graph's plan from its record (docs/compiler.md#the-plan-cache).
 
-    python benchmarks/warm_start.py --budgets 0.3,0.1,7MiB --monotone nearest,grid
+    python benchmarks/warm_start.py --budgets 0.3,0.1,7MiB,peak=24MiB --monotone nearest,grid
 
-A budget is a fraction or a size ("7MiB", remat only: PyTorch's budget is a fraction); a size's
-rows are compared with the PyTorch budget before it in the list. The model is benchmarks/gpu.py's
+A budget is a fraction, a size ("7MiB", remat only: PyTorch's budget is a fraction) or a
+peak_budget ("peak=24MiB", remat only); the rows of the last two are compared with the PyTorch
+budget before them in the list. The model is benchmarks/gpu.py's
 (an HF Llama built from config; defaults here: 8 layers, hidden 128, batch 4 x 256, CPU, one
 thread).
 """
@@ -44,7 +45,9 @@ def child(args) -> None:
         torch._functorch.config.activation_memory_budget = args.budget
         fn = torch.compile(model)
     else:
-        fn = torch.compile(model, backend="remat", options={"memory_budget": args.budget, "monotone": args.mode})
+        knob, budget = ("peak_budget", args.budget[len("peak="):]) if str(args.budget).startswith("peak=") else \
+            ("memory_budget", args.budget)
+        fn = torch.compile(model, backend="remat", options={knob: budget, "monotone": args.mode})
     t0 = time.perf_counter()
     fn(ids, labels=ids).loss.backward()
     first = time.perf_counter() - t0
@@ -59,7 +62,8 @@ def child(args) -> None:
 
 
 def _budget(text: str):
-    """A fraction (0.3) or a size ("7MiB"), as memory_budget takes them."""
+    """A fraction (0.3) or a size ("7MiB"), as memory_budget takes them, or "peak=" and a
+    peak_budget ("peak=24MiB", remat only)."""
     try:
         return float(text)
     except ValueError:
@@ -119,8 +123,9 @@ def main() -> None:
                 f"planning {warm['planning_s']:.1f} s, {warm['partitions']} partitions" + \
                 (", the plan cache's choice" if warm["from_cache"] else "")
             ratio = "" if base is None else f"{warm['first_s'] / base:.2f}"
-            label = f"{budget:g}" if isinstance(budget, float) else budget
-            rows.append(f"| remat memory_budget {label}, monotone {mode} | {cold['first_s']:.1f} "
+            label = f"memory_budget {budget:g}" if isinstance(budget, float) else \
+                f"peak_budget {budget[len('peak='):]}" if budget.startswith("peak=") else f"memory_budget {budget}"
+            rows.append(f"| remat {label}, monotone {mode} | {cold['first_s']:.1f} "
                         f"({cold['planning_s']:.1f}, {cold['partitions']}) | {warm['first_s']:.1f} ({how}) | {ratio} |")
             print(rows[-1], flush=True)
     print("\n".join(rows))
