@@ -309,10 +309,11 @@ def _input_names(gm) -> list:
 
 def lower(gm, example_inputs, options: BackendOptions, aot_cache: Optional[Callable] = None,
           aot_lookup: bool = True):
-    """The compiled graph. ``aot_cache``: under Inductor without a byte peak_budget, AOTAutograd's
-    cache is used (unless not ``aot_lookup``; a hit loads the compiled graphs without partitioning
-    them: no plan is made) and ``aot_cache(plan)`` is called once the backward is compiled
-    (remat_fx/step.py keeps the plan for the next process's hit)."""
+    """The compiled graph. ``aot_cache``: under Inductor, AOTAutograd's cache is used (unless not
+    ``aot_lookup``; a hit loads the compiled graphs without partitioning them: no plan is made) and
+    ``aot_cache(plan)`` is called once the backward is compiled (remat_fx/step.py keeps the plan
+    for the next process's hit; under a byte peak_budget it keeps the plan of the lowering that met
+    the limit once lower returns)."""
     with input_names(_input_names(gm)):
         return _lower(gm, example_inputs, options, aot_cache, aot_lookup)
 
