@@ -45,9 +45,8 @@ def child(args) -> None:
         torch._functorch.config.activation_memory_budget = args.budget
         fn = torch.compile(model)
     else:
-        knob, budget = ("peak_budget", args.budget[len("peak="):]) if str(args.budget).startswith("peak=") else \
-            ("memory_budget", args.budget)
-        fn = torch.compile(model, backend="remat", options={knob: budget, "monotone": args.mode})
+        knob, value = _knob(args.budget)
+        fn = torch.compile(model, backend="remat", options={knob: value, "monotone": args.mode})
     t0 = time.perf_counter()
     fn(ids, labels=ids).loss.backward()
     first = time.perf_counter() - t0
@@ -68,6 +67,13 @@ def _budget(text: str):
         return float(text)
     except ValueError:
         return text
+
+
+def _knob(budget) -> tuple:
+    """(the remat option, its value) of a budget as _budget reads it."""
+    if isinstance(budget, str) and budget.startswith("peak="):
+        return "peak_budget", budget[len("peak="):]
+    return "memory_budget", budget
 
 
 def run_twice(args, backend: str, budget: float, mode: str) -> list:
@@ -123,8 +129,8 @@ def main() -> None:
                 f"planning {warm['planning_s']:.1f} s, {warm['partitions']} partitions" + \
                 (", the plan cache's choice" if warm["from_cache"] else "")
             ratio = "" if base is None else f"{warm['first_s'] / base:.2f}"
-            label = f"memory_budget {budget:g}" if isinstance(budget, float) else \
-                f"peak_budget {budget[len('peak='):]}" if budget.startswith("peak=") else f"memory_budget {budget}"
+            knob, value = _knob(budget)
+            label = f"{knob} {value:g}" if isinstance(value, float) else f"{knob} {value}"
             rows.append(f"| remat {label}, monotone {mode} | {cold['first_s']:.1f} "
                         f"({cold['planning_s']:.1f}, {cold['partitions']}) | {warm['first_s']:.1f} ({how}) | {ratio} |")
             print(rows[-1], flush=True)

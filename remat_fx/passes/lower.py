@@ -385,22 +385,12 @@ def _lower_within_peak(gm, example_inputs, options: BackendOptions, aot_cache: O
     pristine = copy_dynamo_graph(gm)
     cap, step, tried = limit, _STEP * limit, []
     for attempt in range(_LOWERINGS):
-        schedules: dict = {}
         compiled = lowered = None
+        schedules: dict = {}
         try:
-            try:
-                compiled, plan = _inductor(gm if attempt == 0 else copy_dynamo_graph(pristine), example_inputs,
-                                           dataclasses.replace(options, peak_budget=cap), schedules, limit,
-                                           aot_cache, aot_lookup)
-                # a graph from the FX graph cache (not scheduled again), or a schedule not read
-                unscheduled = plan is not None and aot_cache is not None and aot_lookup and \
-                    (schedules.get("forward") is None or schedules.get("backward") is None)
-            except _Unscheduled:
-                unscheduled = True
-            if unscheduled:
-                schedules = {}
-                compiled, plan = _inductor(copy_dynamo_graph(pristine), example_inputs,
-                                           dataclasses.replace(options, peak_budget=cap), schedules, limit)
+            compiled, plan, schedules = _lower_scheduled(gm if attempt == 0 else copy_dynamo_graph(pristine), pristine,
+                                                         example_inputs, dataclasses.replace(options, peak_budget=cap),
+                                                         limit, aot_cache, aot_lookup)
         except _OverLimit as over:  # its backward's kernels were not compiled
             plan, lowered = over.plan, over.lowered
         except PeakInfeasible as e:
@@ -430,6 +420,27 @@ def _lower_within_peak(gm, example_inputs, options: BackendOptions, aot_cache: O
                  "planning again under %s", fmt_bytes(est), fmt_bytes(limit), fmt_bytes(low), fmt_bytes(cap))
     raise PeakInfeasible(_over_text(limit, tried) + " Raise peak_budget to at least the lowest of those, or use "
                          "remat.fit(step, peak=...) to fit the measured peak.")
+
+
+def _lower_scheduled(gm, pristine, example_inputs, options: BackendOptions, limit: int,
+                     aot_cache: Optional[Callable], aot_lookup: bool):
+    """(compiled, plan, schedules) of one lowering under a byte peak_budget, with Inductor's
+    schedules of both graphs read. With the caches on (``aot_cache``), a hit in AOTAutograd's is
+    returned as it is (no plan); a lowering with a graph from the FX graph cache (not scheduled
+    again; a backward whose forward came from it stops at its check, _Unscheduled) or a schedule
+    not read is made again from ``pristine`` with the caches off."""
+    if aot_cache is not None and aot_lookup:
+        schedules: dict = {}
+        try:
+            compiled, plan = _inductor(gm, example_inputs, options, schedules, limit, aot_cache, aot_lookup)
+            if plan is None or (schedules.get("forward") is not None and schedules.get("backward") is not None):
+                return compiled, plan, schedules
+        except _Unscheduled:
+            pass
+        gm = copy_dynamo_graph(pristine)
+    schedules = {}
+    compiled, plan = _inductor(gm, example_inputs, options, schedules, limit)
+    return compiled, plan, schedules
 
 
 def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
