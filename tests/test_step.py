@@ -608,6 +608,40 @@ def test_a_graph_lowered_again_keeps_the_autocast_it_was_compiled_under(how):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
 
 
+def test_fits_search_finds_the_largest_budget_that_measures_under_the_target_in_few_measurements():
+    """remat.fit's search over the budget grid (measured_fit._largest_fitting) on made-up step
+    peaks: for measured peaks that fall with the budget it returns the largest budget that measures
+    under the target (the first index, largest first), or None, whatever the estimate's error; and
+    where the estimate is off by the same bytes at every budget it measures at most three budgets,
+    above or below the starting one (the bisection and walk it replaced measured up to 5 on these
+    curves)."""
+    import random
+
+    from remat_fx.measured_fit import _largest_fitting
+
+    rng = random.Random(0)
+    n = 14
+    for case in range(400):
+        measured = sorted((rng.randrange(100, 1000) for _ in range(n)), reverse=True)  # falls with the budget
+        same = case % 2 == 0  # the estimate off by the same bytes everywhere, or by up to +-60
+        error = rng.randrange(-50, 50)
+        estimates = [m - error - (0 if same else rng.randrange(-60, 60)) for m in measured]
+        target = rng.randrange(50, 1050)
+        start = next((i for i, e in enumerate(estimates) if e <= target), n - 1)
+        calls = []
+
+        def evaluate(f):
+            calls.append(f)
+            return measured[f]
+
+        got = _largest_fitting(list(range(n)), start, evaluate, estimates.__getitem__, target)
+        want = next((i for i, m in enumerate(measured) if m <= target), None)
+        assert got == want, (case, measured, estimates, target, start, calls)
+        assert len(calls) == len(set(calls))  # no budget lowered and measured twice
+        if same:
+            assert len(calls) <= 3, (case, calls, start, want)
+
+
 def test_fit_measures_every_plan_with_the_gradients_set_to_none(monkeypatch):
     """remat.fit sets the step's gradients to None before each measurement, so that every measured
     peak counts them, whatever the step does with them. On CUDA a measurement is the allocator's
