@@ -274,6 +274,19 @@ def _largest_fitting(grid, start: int, evaluate, estimate, target: int) -> Optio
         found = agreed(local, max)
         return None if found >= len(grid) else found
 
+    def largest(lo: int, hi: int) -> int:
+        """The largest that fits of grid[lo..hi], grid[hi] known to: the one above it first (over
+        the target, the search ends there), then a bisection."""
+        if lo < hi and fits(hi - 1):
+            hi -= 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+        return hi
+
     if fits(start):
         lo, hi = 0, start  # grid[hi] fits; grid[:lo] measured over the target
         guess = predicted(range(start), start) if start else None
@@ -282,37 +295,15 @@ def _largest_fitting(grid, start: int, evaluate, estimate, target: int) -> Optio
                 hi = guess
             else:
                 lo = guess + 1
-        if lo < hi:  # the one above the largest that fits: over the target, the search ends
-            if fits(hi - 1):
-                hi -= 1
-            else:
-                lo = hi
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return hi
+        return largest(lo, hi)
     last = start  # the smallest budget measured over the target so far
     while last + 1 < len(grid):
         guess = predicted(range(last + 1, len(grid)), last)
         if guess is None:
             guess = last + 1
-        if not fits(guess):
-            last = guess
-            continue
-        lo, hi = last + 1, guess  # grid[hi] fits, grid[last] does not: the largest that fits between
-        if lo < hi:
-            if fits(hi - 1):
-                hi -= 1
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    if fits(mid):
-                        hi = mid
-                    else:
-                        lo = mid + 1
-        return hi
+        if fits(guess):
+            return largest(last + 1, guess)
+        last = guess
     return None
 
 
