@@ -219,9 +219,8 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
             result.estimates[grid[i]] = more[grid[i]][0]
         return result.estimates[grid[i]]
 
-    best = _largest_fitting(grid, start, evaluate, estimate, target)
-    fits = [] if best is None else [grid[best]]
-    if not fits:
+    chosen = _largest_fitting(grid, start, evaluate, estimate, target)
+    if chosen is None:
         least = min(result.tried, key=result.tried.get)
         raise PeakInfeasible(
             f"remat_fx: remat.fit: no plan measured a step peak at or under {fmt_bytes(target)} ({target:,} bytes: "
@@ -229,7 +228,7 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
             f"the least measured is {fmt_bytes(result.tried[least])} ({result.tried[least]:,} bytes), with every "
             f"graph at memory_budget {'none' if least is None else f'{least:g}'}. Raise the limit to at least "
             f"{int(result.tried[least] / (1 - margin)):,} bytes, or shrink the step (batch, sequence length).")
-    best = fits[-1]
+    best = grid[chosen]
     if list(result.tried)[-1] != best:
         together(lambda: [g.relower(shared_options(g.options, best)) for g in graphs],
                  f"lowering the step's graphs at memory_budget {best}")

@@ -205,13 +205,12 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             if searched and plan_cache.enabled(options) else None
         found = None if entry is None else _replay(cut, entry)
         if found is None and _peak_budgeted(options):
-            found = fit_peak(cut, budgets, options.peak_budget, options.peak_fraction)  # counts its own plans
-        else:
-            if found is None:
-                chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
-                found = chosen if options.peak_slack <= 0 else \
-                    monotone_peak(cut, budgets, chosen, options.peak_slack, whole_grid=options.monotone == "grid")
-            found[2].peak_evaluations = len(cuts)
+            found = fit_peak(cut, budgets, options.peak_budget, options.peak_fraction)
+        elif found is None:
+            chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
+            found = chosen if options.peak_slack <= 0 else \
+                monotone_peak(cut, budgets, chosen, options.peak_slack, whole_grid=options.monotone == "grid")
+        found[2].peak_evaluations = len(cuts)  # the partitions the search made (1: the plan cache's replay)
         fw, bw, plan, tags = found
         if entry is not None and not plan.from_cache and id(found) in asked:
             entry.store(*asked[id(found)], plan)

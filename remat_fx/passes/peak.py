@@ -472,34 +472,28 @@ def fit_peak(cut, budgets, cap: Optional[int], fraction: Optional[float] = None)
     saved to cut the recompute chains), they are tried from the largest allowed down a grid, then
     bisected between the last plan over the cap and the first under it. ``cut(budgets)`` returns
     (fw, bw, plan, tags); ``cut(budgets, quick=True)`` the partition without its reruns."""
-    made: Set[tuple] = set()
-
-    def counted(budgets, quick=False):  # the plan's peak_evaluations: the partitions searched
-        made.add((tuple(sorted((str(k), repr(v)) for k, v in budgets.items())), quick))
-        return cut(budgets, quick=quick) if quick else cut(budgets)
-
     least = _overall(budgets, Budget(fraction=0.0))  # the fewest saved bytes
-    first = counted(budgets)
+    first = cut(budgets)
     if fraction is not None:
         high = first[2].peak.step
-        low = min(high, counted(least)[2].peak.step)
+        low = min(high, cut(least)[2].peak.step)
         cap = low + int(fraction * (high - low))
     if first[2].peak.step <= cap:
-        return _mark(first, cap, len(made))
+        return _mark(first, cap)
     # the feasible range; the least peak's plan (its reruns' search, the longest) only when needed
-    report = counted(least, quick=fraction is None)[2].budget
+    report = cut(least, quick=fraction is None)[2].budget
     lo, top = report.minimum, report.maximum
     if None in budgets:
         top = min(top, budgets[None].target(lo, top))
-    found = _toward_cap(counted, budgets, cap, lo, top, first, lambda: counted(least))
+    found = _toward_cap(cut, budgets, cap, lo, top, first, lambda: cut(least))
     if found is not None:
-        return _mark(found, cap, len(made))
-    probe = counted(least)
+        return _mark(found, cap)
+    probe = cut(least)
     tried = [(first[2].total_bytes, first)]
     above, found = top, None
     for f in _GRID[1:]:
         target = lo + int((top - lo) * f)
-        result = probe if f == 0.0 else counted(_overall(budgets, Budget(nbytes=target)))
+        result = probe if f == 0.0 else cut(_overall(budgets, Budget(nbytes=target)))
         tried.append((target, result))
         if result[2].peak.step <= cap:
             found = (target, result)
@@ -520,12 +514,12 @@ def fit_peak(cut, budgets, cap: Optional[int], fraction: Optional[float] = None)
         mid = (good_target + above) // 2
         if mid <= good_target or mid >= above:
             break
-        result = counted(_overall(budgets, Budget(nbytes=mid)))
+        result = cut(_overall(budgets, Budget(nbytes=mid)))
         if result[2].peak.step <= cap:
             good_target, good = mid, result
         else:
             above = mid
-    return _mark(good, cap, len(made))
+    return _mark(good, cap)
 
 
 def _toward_cap(cut, budgets, cap: int, lo: int, top: int, over, least: Callable):
@@ -595,10 +589,8 @@ def _overall(budgets, budget: Budget):
     return {**{k: v for k, v in budgets.items() if k is not None}, None: budget}
 
 
-def _mark(result, cap, evaluations):
-    plan = result[2]
-    plan.peak_budget = cap
-    plan.peak_evaluations = evaluations
+def _mark(result, cap):
+    result[2].peak_budget = cap
     return result
 
 
