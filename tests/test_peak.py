@@ -127,6 +127,40 @@ def test_peak_budget_is_met_and_errors_below_the_lowest_peak():
         _measure(model, inputs, {"peak_budget": 1024})
 
 
+def test_peak_budget_reads_its_range_from_the_solver_without_partitioning_the_least_saved_plan(monkeypatch):
+    """A byte peak_budget's steps stay within the feasible saved bytes: the budget solver gives that
+    range, and the least-saved target is partitioned only if the search needs its plan; the plan
+    chosen is the one a partition's range gave."""
+    from remat_fx.memory_budget import Budget
+    from remat_fx.passes import partition, peak
+
+    real, calls = peak.fit_peak, []
+
+    def spy(without_solver_range):
+        def fit(cut, budgets, cap, fraction=None, feasible=None):
+            def counted(b, *args, **kwargs):
+                calls.append((b.get(None), kwargs.get("quick", False)))
+                return cut(b, *args, **kwargs)
+            assert feasible is not None
+            return real(counted, budgets, cap, fraction, None if without_solver_range else feasible)
+        return fit
+
+    model, inputs = _gpt()
+    free, _ = _measure(model, inputs, {})
+    cap = int(free.peak.step * 0.9)
+    plans = []
+    for without_solver_range in (False, True):
+        calls.clear()
+        monkeypatch.setattr(partition, "fit_peak", spy(without_solver_range))
+        plan, measured = _measure(model, inputs, {"peak_budget": cap})
+        plans.append((plan.total_bytes, plan.peak.step, plan.peak_evaluations, list(calls)))
+    (saved, step, evaluations, made), (saved0, step0, evaluations0, made0) = plans
+    least = (Budget(fraction=0.0), True)
+    assert least in made0 and least not in made  # before: a partition for the range alone
+    assert (saved, step) == (saved0, step0) and step <= cap
+    assert evaluations == evaluations0 - 1
+
+
 # -- rerun: recompute a second time where holding a value sets the peak -------------------------
 
 def _held_graph():

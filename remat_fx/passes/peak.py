@@ -463,7 +463,7 @@ _RESOLUTION = 0.005  # of the feasible saved-bytes range: the search ends with a
 _LEAST_SLOPE = 0.25  # bytes of estimated peak per saved byte, the least the secant steps assume
 
 
-def fit_peak(cut, budgets, cap: Optional[int], fraction: Optional[float] = None):
+def fit_peak(cut, budgets, cap: Optional[int], fraction: Optional[float] = None, feasible: Optional[Callable] = None):
     """The fastest plan whose estimated step peak is at most ``cap`` bytes, or, with ``fraction``
     instead, at most that fraction of the way from the least estimated peak (the plan saving the
     fewest bytes) to the peak without a budget. Saved-bytes targets are searched from the plan
@@ -471,7 +471,10 @@ def fit_peak(cut, budgets, cap: Optional[int], fraction: Optional[float] = None)
     with the saved bytes); where that fails (the peak stops falling before the cap: too little is
     saved to cut the recompute chains), they are tried from the largest allowed down a grid, then
     bisected between the last plan over the cap and the first under it. ``cut(budgets)`` returns
-    (fw, bw, plan, tags); ``cut(budgets, quick=True)`` the partition without its reruns."""
+    (fw, bw, plan, tags); ``cut(budgets, quick=True)`` the partition without its reruns;
+    ``feasible(budgets)`` the budget solver's report for ``budgets`` without a partition (its
+    feasible range, which a byte cap's search needs from the least-saved plan: the partition it
+    cost was 1.0-1.4 s of 16-20 s of planning on the 8-layer Llama of benchmarks/gpu.py)."""
     least = _overall(budgets, Budget(fraction=0.0))  # the fewest saved bytes
     first = cut(budgets)
     if fraction is not None:
@@ -481,7 +484,8 @@ def fit_peak(cut, budgets, cap: Optional[int], fraction: Optional[float] = None)
     if first[2].peak.step <= cap:
         return _mark(first, cap)
     # the feasible range; the least peak's plan (its reruns' search, the longest) only when needed
-    report = cut(least, quick=fraction is None)[2].budget
+    report = feasible(least) if feasible is not None and fraction is None else \
+        cut(least, quick=fraction is None)[2].budget
     lo, top = report.minimum, report.maximum
     if None in budgets:
         top = min(top, budgets[None].target(lo, top))
