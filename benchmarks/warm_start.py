@@ -10,6 +10,14 @@ each graph's plan from its record (docs/compiler.md#the-plan-cache).
 
     python benchmarks/warm_start.py --budgets 0.3,0.1,7MiB,peak=24MiB --monotone nearest,grid
 
+A second table splits each first process's first step: remat's planning, Inductor's lowering
+(``compile_fx_inner``, forward and backward, from Dynamo's ``compile_times``) and, inside it, the
+wait for the C++/Triton kernels to compile (``async_compile.wait``), with the kernels Inductor
+generated (``torch._inductor.metrics.generated_kernel_count``: every layer's copy of a kernel
+counted) and the kernels compiled (the distinct ones: the C++ libraries and Triton binaries the
+process wrote to its new cache folder); the rest is Dynamo's and AOTAutograd's tracing and the step
+itself. ``--first-only`` runs the first process alone.
+
 A budget is a fraction, a size ("7MiB", remat only: PyTorch's budget is a fraction) or a
 peak_budget ("peak=24MiB", remat only); the rows of the last two are compared with the PyTorch
 budget before them in the list. The model is benchmarks/gpu.py's
@@ -50,14 +58,29 @@ def child(args) -> None:
     t0 = time.perf_counter()
     fn(ids, labels=ids).loss.backward()
     first = time.perf_counter() - t0
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import compile_times, counters
+    from torch._inductor import metrics
 
+    names, values = compile_times(repr="csv", aggregate=True)
+    phase = dict(zip(names, map(float, values)))
     plan = remat.last_plan() if args.backend == "remat" else None
     print(json.dumps({"first_s": first, "planning_s": plan.partition_seconds if plan else None,
                       "partitions": plan.peak_evaluations if plan else None,
                       "from_cache": plan.from_cache if plan else None,
                       "fx_graph_cache_hits": counters["inductor"].get("fxgraph_cache_hit", 0),
-                      "aot_autograd_cache_hits": counters["aot_autograd"].get("autograd_cache_hit", 0)}))
+                      "aot_autograd_cache_hits": counters["aot_autograd"].get("autograd_cache_hit", 0),
+                      "inductor_s": phase.get("compile_fx_inner", 0.0),
+                      "kernel_wait_s": phase.get("async_compile.wait", 0.0),
+                      "kernels": metrics.generated_kernel_count, "compiled": _compiled_kernels()}))
+
+
+def _compiled_kernels() -> int:
+    """Kernel binaries in this process's Inductor cache folder (new for the variant: the first
+    process's are the ones it compiled)."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder:
+        return 0
+    return sum(name.endswith((".so", ".cubin", ".hsaco")) for _, _, names in os.walk(folder) for name in names)
 
 
 def _budget(text: str):
@@ -77,6 +100,7 @@ def _knob(budget) -> tuple:
 
 
 def run_twice(args, backend: str, budget: float, mode: str) -> list:
+    """The first step of the two processes (one with ``--first-only``), as child() reports them."""
     with tempfile.TemporaryDirectory() as inductor, tempfile.TemporaryDirectory() as remat_dir:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor, REMAT_FX_CACHE_DIR=remat_dir,
                    REMAT_FX_PLAN_CACHE="1", OMP_NUM_THREADS=str(args.threads))
@@ -84,7 +108,7 @@ def run_twice(args, backend: str, budget: float, mode: str) -> list:
                *[f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "vocab", "batch", "seq", "device",
                                                        "threads")]]
         out = []
-        for _ in range(2):
+        for _ in range(1 if args.first_only else 2):
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
             if proc.returncode != 0:
                 raise SystemExit(f"{backend} {budget} {mode}: {proc.stderr[-3000:]}")
@@ -104,6 +128,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--first-only", action="store_true", help="the first process alone (the phases table)")
     ap.add_argument("--child", default=None, choices=["torch", "remat"], help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=_budget, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="nearest", help=argparse.SUPPRESS)
@@ -115,26 +140,43 @@ def main() -> None:
         return
     rows = ["| variant | first process: first step s (planning s, partitions) | second process: first step s | "
             "second / PyTorch's second |", "|---|---:|---:|---:|"]
-    base = None  # PyTorch's second process at the last fraction budget
+    phases = ["| variant | first step s | / PyTorch's | planning s | Inductor s | of which kernel compiles s | "
+              "kernels generated | kernels compiled |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    base = first = None  # PyTorch's second and first process at the last fraction budget
+
+    def split(label: str, run: dict) -> None:
+        planning = "" if run["planning_s"] is None else f"{run['planning_s']:.1f}"
+        ratio = "" if first is None else f"{run['first_s'] / first:.2f}"
+        phases.append(f"| {label} | {run['first_s']:.1f} | {ratio} | {planning} | "
+                      f"{run['inductor_s']:.1f} | {run['kernel_wait_s']:.1f} | {run['kernels']} | {run['compiled']} |")
+        print(phases[-1], flush=True)
+
     for budget in (_budget(b) for b in args.budgets.split(",")):
         if isinstance(budget, float):
             torch_runs = run_twice(args, "torch", budget, "")
-            base = torch_runs[1]["first_s"]
-            rows.append(f"| PyTorch budget {budget:g} | {torch_runs[0]['first_s']:.1f} | {base:.1f} (AOTAutograd "
-                        f"cache hits {torch_runs[1]['aot_autograd_cache_hits']}) | 1.00 |")
-            print(rows[-1], flush=True)
+            first = torch_runs[0]["first_s"]
+            split(f"PyTorch budget {budget:g}", torch_runs[0])
+            if not args.first_only:
+                base = torch_runs[1]["first_s"]
+                rows.append(f"| PyTorch budget {budget:g} | {first:.1f} | {base:.1f} (AOTAutograd "
+                            f"cache hits {torch_runs[1]['aot_autograd_cache_hits']}) | 1.00 |")
+                print(rows[-1], flush=True)
         for mode in args.monotone.split(","):
-            cold, warm = run_twice(args, "remat", budget, mode)
+            knob, value = _knob(budget)
+            label = f"{knob} {value:g}" if isinstance(value, float) else f"{knob} {value}"
+            runs = run_twice(args, "remat", budget, mode)
+            split(f"remat {label}, monotone {mode}", runs[0])
+            if args.first_only:
+                continue
+            cold, warm = runs
             how = "AOTAutograd cache hit, plan from the record" if warm["aot_autograd_cache_hits"] else \
                 f"planning {warm['planning_s']:.1f} s, {warm['partitions']} partitions" + \
                 (", the plan cache's choice" if warm["from_cache"] else "")
             ratio = "" if base is None else f"{warm['first_s'] / base:.2f}"
-            knob, value = _knob(budget)
-            label = f"{knob} {value:g}" if isinstance(value, float) else f"{knob} {value}"
             rows.append(f"| remat {label}, monotone {mode} | {cold['first_s']:.1f} "
                         f"({cold['planning_s']:.1f}, {cold['partitions']}) | {warm['first_s']:.1f} ({how}) | {ratio} |")
             print(rows[-1], flush=True)
-    print("\n".join(rows))
+    print("\n".join(([] if args.first_only else rows + [""]) + phases))
 
 
 if __name__ == "__main__":
