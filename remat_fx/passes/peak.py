@@ -474,7 +474,7 @@ def fit_peak(cut, budgets, cap: Optional[int], fraction: Optional[float] = None,
     (fw, bw, plan, tags); ``cut(budgets, quick=True)`` the partition without its reruns;
     ``feasible(budgets)`` the budget solver's report for ``budgets`` without a partition (its
     feasible range, which a byte cap's search needs from the least-saved plan: the partition it
-    cost was 1.0-1.4 s of 16-20 s of planning on the 8-layer Llama of benchmarks/gpu.py)."""
+    cost was 0.9-1.5 s of 17-21 s of planning on the 8-layer Llama of benchmarks/gpu.py)."""
     least = _overall(budgets, Budget(fraction=0.0))  # the fewest saved bytes
     first = cut(budgets)
     if fraction is not None:
@@ -544,7 +544,7 @@ def _toward_cap(cut, budgets, cap: int, lo: int, top: int, over, least: Callable
     ``_TOWARD_STEPS`` partitions without a fitting plan. Measured on the 8-layer Llama of
     benchmarks/gpu.py at peak_budgets 20, 24, 30 and 40 MiB: 5-7 partitions (8-13 s) where the grid and
     its bisection made 12-16 (15-33 s), and plans estimated 0.4% slower to 2.8% faster (the joint
-    graph of an eager-lowered capture; on the one Inductor partitions, 8-9 in all, 17-19 s)."""
+    graph of an eager-lowered capture; on the one Inductor partitions, 8-9 in all, 17-21 s)."""
     above_t, above = top, over  # the smallest target over the cap, and its plan
     below_t = below = None  # the largest target that fits, and its plan
     tolerance = max(1, int(_RESOLUTION * (top - lo)))
