@@ -205,7 +205,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             if searched and plan_cache.enabled(options) else None
         found = None if entry is None else _replay(cut, entry)
         if found is None and _peak_budgeted(options):
-            found = fit_peak(cut, budgets, options.peak_budget, options.peak_fraction, lambda b: solved(b)[1])
+            found = fit_peak(cut, lambda b: solved(b)[1], budgets, options.peak_budget, options.peak_fraction)
         elif found is None:
             chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
             found = chosen if options.peak_slack <= 0 else \

@@ -463,7 +463,7 @@ _RESOLUTION = 0.005  # of the feasible saved-bytes range: the search ends with a
 _LEAST_SLOPE = 0.25  # bytes of estimated peak per saved byte, the least the secant steps assume
 
 
-def fit_peak(cut, budgets, cap: Optional[int], fraction: Optional[float] = None, feasible: Optional[Callable] = None):
+def fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Optional[float] = None):
     """The fastest plan whose estimated step peak is at most ``cap`` bytes, or, with ``fraction``
     instead, at most that fraction of the way from the least estimated peak (the plan saving the
     fewest bytes) to the peak without a budget. Saved-bytes targets are searched from the plan
@@ -484,8 +484,7 @@ def fit_peak(cut, budgets, cap: Optional[int], fraction: Optional[float] = None,
     if first[2].peak.step <= cap:
         return _mark(first, cap)
     # the feasible range; the least peak's plan (its reruns' search, the longest) only when needed
-    report = feasible(least) if feasible is not None and fraction is None else \
-        cut(least, quick=fraction is None)[2].budget
+    report = feasible(least) if fraction is None else cut(least)[2].budget  # a fraction has cut it already
     lo, top = report.minimum, report.maximum
     if None in budgets:
         top = min(top, budgets[None].target(lo, top))
