@@ -48,6 +48,10 @@ _DOC = {
                 "'nearest' (default) against the plan of the nearest target above it on a grid of the feasible "
                 "range; 'grid' against that target's own held plan, and so on up the grid, so that the estimated "
                 "peak never rises as the budget falls across the grid's targets (planning takes 2-4x longer)",
+    "blocks_alike": "with a memory_budget or peak_budget, plan repeated blocks (the ops of model.layers.0, "
+                    "model.layers.1, ...) alike where that adds at most this fraction of the forward's estimated "
+                    "time in recompute: Inductor then compiles one set of kernels for them all, fewer to compile in "
+                    "the first step (True = 0.01; default False: the fastest plan, blocks may differ)",
 }
 
 
@@ -69,6 +73,7 @@ class BackendOptions:
     roofline: Optional[Roofline] = None
     solver: str = "ilp"
     solver_time_limit: float = 10.0
+    blocks_alike: Optional[float] = None  # the recompute (fraction of the forward's estimated time) allowed
     globs: NameGlobs = field(default=None, compare=False, repr=False)
     # the globs the tag pass has warned match nothing: once per compile, shared by the copies
     # (dataclasses.replace) the step planner re-plans the graph with
@@ -78,7 +83,7 @@ class BackendOptions:
         """What changes the compiled result (for Inductor's cache)."""
         return (self.save, self.recompute, self.lower, self.schedule, self.rerun, self.peak_slack, self.monotone,
                 repr(self.memory_budget), self.peak_budget, self.peak_fraction, repr(self.step_peak),
-                self.cost_model, self.roofline, self.solver, self.solver_time_limit)
+                self.cost_model, self.roofline, self.solver, self.solver_time_limit, self.blocks_alike)
 
 
 class RematError(ShortenTraceback, ValueError):
@@ -170,6 +175,17 @@ def _peak_budget(value, what):
         raise OptionError(f"{e}; or 'auto' (CUDA: the device's free memory)") from None
 
 
+def _blocks_alike(value, what):
+    if value is True:
+        return 0.01
+    if value is False:
+        return None
+    if not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise OptionError(f"{what} must be True, False or the recompute it may add as a fraction of the forward's "
+                          f"estimated time in [0, 1), e.g. 0.01, got {value!r}")
+    return float(value)
+
+
 def _roofline(value, what):
     try:
         return parse_roofline(value)
@@ -196,6 +212,7 @@ _CHECKS = {
     "monotone": _one_of(MONOTONE),
     "peak_budget": _peak_budget, "cost_model": _one_of(COST_MODELS), "roofline": _roofline,
     "solver": _one_of(SOLVERS), "solver_time_limit": _time_limit,
+    "blocks_alike": _blocks_alike,
 }
 # the remat_fx.config settings: the defaults of these options
 CONFIG = ("memory_budget", "cost_model", "solver", "solver_time_limit")
@@ -263,4 +280,5 @@ def parse_options(options, where: str = "backend 'remat'") -> BackendOptions:
                           peak_fraction=None if budget is None else budget.fraction, step_peak=peak,
                           cost_model=checked["cost_model"], roofline=checked.get("roofline"),
                           solver=checked["solver"], solver_time_limit=checked["solver_time_limit"],
+                          blocks_alike=checked.get("blocks_alike"),
                           globs=NameGlobs(save=checked.get("save", ()), recompute=checked.get("recompute", ())))

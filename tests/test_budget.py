@@ -3,6 +3,7 @@ against the bytes autograd actually holds; monotone sweeps; infeasible budgets; 
 dropout gradients exact at every budget; the ILP equals brute force on small random problems."""
 import itertools
 import random
+import re
 
 import pytest
 import torch
@@ -374,6 +375,107 @@ def test_ilp_matches_brute_force_on_random_graphs():
             assert greedy.bytes <= target and greedy.cost >= want[0] - 1e-9
             checked += 1
     assert checked > 100
+
+
+def _blocks_problem(rng: random.Random, size: int, blocks: int):
+    """A random block (``_random_problem``) repeated ``blocks`` times, each copy reading only
+    itself, with the copies of each node as the problem's ties (what build_problem finds for
+    model.layers.<i>); and the block."""
+    one = _random_problem(rng, size)
+    names = [f"b{b}.{v}" for b in range(blocks) for v in one.order]
+    copy = {f"b{b}.{v}": (b, v) for b in range(blocks) for v in one.order}
+
+    def each(values):
+        return {w for w, (b, v) in copy.items() if v in values}
+
+    p = B.Problem(order=names, inputs={w: tuple(f"b{b}.{u}" for u in one.inputs[v]) for w, (b, v) in copy.items()},
+                  needed=each(one.needed), base={w: f"b{b}.{one.base[v]}" for w, (b, v) in copy.items()},
+                  storage_bytes={w: one.storage_bytes[v] for w, (b, v) in copy.items()},
+                  cost={w: one.cost[v] for w, (b, v) in copy.items()},
+                  can_save=each(one.can_save), can_recompute=each(one.can_recompute))
+    p.ties = [tuple(f"b{b}.{v}" for b in range(blocks)) for v in one.order]
+    return p, one
+
+
+def _brute_alike(p: B.Problem, one: B.Problem, target):
+    """(cost, bytes) of the fastest plan saving the same nodes in every block, or None."""
+    best = None
+    choices = sorted(one.can_save)
+    for k in range(len(choices) + 1):
+        for chosen in itertools.combinations(choices, k):
+            saved = {w for tie in p.ties for w in tie if tie[0].split(".", 1)[1] in chosen}
+            res = B.closure(p, saved)
+            if res is None:
+                continue
+            nbytes, cost = p.bytes_of(res[0]), sum(p.cost[v] for v in res[1])
+            if nbytes <= target and (best is None or (cost, nbytes) < best):
+                best = (cost, nbytes)
+    return best
+
+
+def test_blocks_alike_matches_brute_force_on_repeated_random_blocks():
+    """Option blocks_alike: the solver's plan saving the same in every block is the fastest such
+    plan (brute force), taken where it costs at most the slack more than the fastest plan."""
+    rng = random.Random(1)
+    checked = alike_costs_more = 0
+    for trial in range(40):
+        p, one = _blocks_problem(rng, rng.randint(2, 4), rng.randint(2, 3))
+        if B.closure(p, set()) is None:
+            continue
+        total, least = sum(p.storage_bytes.values()), B.minimum(p)[0]
+        for target in sorted({t for t in (least, total // 3, total // 2, total) if t >= least}):
+            fastest = B.solve(p, target, {})
+            assert not fastest.alike  # off unless asked
+            want = _brute_alike(p, one, target)
+            sol = B.solve(p, target, {}, alike=1.0)  # any extra recompute allowed
+            if want is None:  # no plan alike fits the target: the fastest stands
+                assert not sol.alike and (sol.cost, sol.bytes) == (fastest.cost, fastest.bytes)
+                continue
+            assert sol.alike and sol.bytes <= target
+            assert all(len({v in sol.saved for v in tie}) == 1 for tie in p.ties), (trial, target, sol.saved)
+            assert (sol.cost, sol.bytes) == want, (trial, target, sol, want)
+            # no slack: alike only where that costs nothing
+            assert B.solve(p, target, {}, alike=0.0).alike == (want[0] <= fastest.cost)
+            alike_costs_more += want[0] > fastest.cost
+            checked += 1
+    assert checked > 50 and alike_costs_more > 5
+
+
+def _blocks_of(plan):
+    """{name with its block index as '#': the blocks saving it} for the names in a numbered block."""
+    found = {}
+    for s in plan.saved:
+        m = re.search(r"\.(\d+)\.", s.name)
+        if m:
+            found.setdefault(s.name[:m.start()] + ".#." + s.name[m.end():], set()).add(int(m.group(1)))
+    return found
+
+
+def test_blocks_alike_saves_the_same_in_every_block_with_the_same_gradients():
+    """A 4-block GPT at memory_budget 0.6: the fastest plan keeps the MLP activation of 3 blocks;
+    with blocks_alike every block saves the same ops, within the budget, and the gradients are
+    those of the model without remat."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=16, d_model=32, n_head=2, n_layer=4)
+    model, inputs = GPT(cfg), random_batch(cfg, 2)
+    model.zero_grad(set_to_none=True)
+    want_loss = model(*inputs)
+    want_loss.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    every = set(range(cfg.n_layer))
+    options = {"memory_budget": 0.6, "peak_slack": 0}
+    _, _, _, fastest = _step(model, inputs, options)
+    assert not fastest.budget.alike and "alike" not in str(fastest.budget)
+    assert any(1 < len(blocks) < cfg.n_layer for blocks in _blocks_of(fastest).values())
+    loss, grads, _, plan = _step(model, inputs, {**options, "blocks_alike": True})
+    assert all(blocks == every for blocks in _blocks_of(plan).values() if len(blocks) > 1), _blocks_of(plan)
+    assert plan.total_bytes <= plan.budget.target and plan.budget.alike > 0
+    assert re.search(r"ilp solver, \d+ ms, repeated blocks planned alike \(\d+ ops tied\); est\. recompute",
+                     str(plan.budget))
+    # the price: more recompute (at most 1% of the forward's estimated time)
+    assert fastest.recompute_cost_s < plan.recompute_cost_s
+    torch.testing.assert_close(loss, want_loss.detach())
+    _close(grads, want)
 
 
 # -- pareto and its CLI ---------------------------------------------------------------------------

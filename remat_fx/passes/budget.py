@@ -21,6 +21,7 @@ A greedy fallback (best cost per byte first) answers when the ILP finds nothing 
 from __future__ import annotations
 
 import operator
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ class Problem:
     can_save: Set[str]
     can_recompute: Set[str]
     groups: Dict[str, Set[str]] = field(default_factory=dict)  # region budget name -> its storages
+    # classes of nodes alike across repeated blocks (the k-th node of one name in layers.0, layers.1,
+    # ...): the same decision for each member makes the blocks' backward kernels the same (_alike)
+    ties: List[Tuple[str, ...]] = field(default_factory=list)
 
     def bytes_of(self, saved, group: Optional[str] = None) -> int:
         storages = {self.base[v] for v in saved}
@@ -66,6 +70,7 @@ class Solution:
     cost: float
     method: str  # "ilp", "ilp (time limit)", "greedy"
     seconds: float
+    alike: bool = False  # every class of problem.ties decided alike (repeated blocks planned the same)
 
 
 _REST = "<outside budgeted regions>"
@@ -143,7 +148,10 @@ def _cost(problem: Problem, recomputed) -> float:
 
 
 def solve(problem: Problem, target: Optional[int], group_targets: Dict[str, int], *, method: str = "ilp",
-          time_limit: float = 10.0) -> Solution:
+          time_limit: float = 10.0, alike: Optional[float] = None) -> Solution:
+    """The fastest plan under the targets; with ``alike`` (option blocks_alike), the fastest deciding
+    each class of ``problem.ties`` alike where it adds at most that fraction of the forward's
+    estimated time (``_alike``)."""
     t0 = time.perf_counter()
     if method == "ilp":
         found = _milp(problem, target, group_targets, time_limit=time_limit)
@@ -151,13 +159,37 @@ def solve(problem: Problem, target: Optional[int], group_targets: Dict[str, int]
             raise BudgetInfeasible(_together(problem, target, group_targets))
         if found is not None:
             saved, recomputed = closure(problem, found[0])
+            alike = None if alike is None else \
+                _alike(problem, target, group_targets, _cost(problem, recomputed), alike, time_limit)
+            if alike is not None:
+                saved, recomputed = alike
             return Solution(saved, recomputed, problem.bytes_of(saved),
                             _cost(problem, recomputed), "ilp" if found[1] == 0 else "ilp (time limit, best found)",
-                            time.perf_counter() - t0)
+                            time.perf_counter() - t0, alike is not None)
     saved, recomputed = _greedy(problem, target, group_targets, time_limit)
     return Solution(saved, recomputed, problem.bytes_of(saved), _cost(problem, recomputed),
                     "greedy",
                     time.perf_counter() - t0)
+
+
+def _alike(problem: Problem, target, group_targets, cost: float, slack: float, time_limit: float):
+    """(saved, recomputed) of the fastest plan deciding each class of ``problem.ties`` alike, if it
+    recomputes at most ``slack`` of the forward's estimated time more than the fastest plan
+    (``cost``), else None. Inductor compiles a kernel once for all blocks whose code is the same: a
+    block that saves what the others recompute has kernels of its own. On the 8-layer Llama of
+    benchmarks/gpu.py, without reruns, the plan saving each block's down_proj output (8.05 MiB)
+    compiled 25 kernels and spent 49.2 s in Inductor; the fastest plan under 7.06 MiB, which saves
+    it in 6 of the 8 blocks, 38 and 53.9 s (docs/budgets.md#repeated-blocks-alike). The solver's choice among blocks of equal cost is
+    otherwise arbitrary, and at many targets the plan alike costs the same."""
+    if not problem.ties:
+        return None
+    found = _milp(problem, target, group_targets, time_limit=time_limit, ties=problem.ties)
+    if found is None or found == _INFEASIBLE or found[1] != 0:
+        return None
+    saved, recomputed = closure(problem, found[0])
+    if _cost(problem, recomputed) > cost + slack * sum(problem.cost.values()):
+        return None
+    return saved, recomputed
 
 
 _MINIMA: "OrderedDict[tuple, Tuple[int, Set[str]]]" = OrderedDict()  # fingerprint -> minimum's answer
@@ -205,7 +237,7 @@ def _minimum(problem: Problem, group: Optional[str], time_limit: float) -> Tuple
     return problem.bytes_of(saved, group), saved
 
 
-def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), time_limit=10.0):
+def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), time_limit=10.0, ties=()):
     """(saved set, HiGHS status) of the best plan found, _INFEASIBLE, or None (nothing in time)."""
     """The 0-1 program in the 'available / recomputed' form: a_v = s_v + r_v. Its rows other than
     the budgets are difference constraints (a network matrix), so the LP relaxation is integral
@@ -253,6 +285,11 @@ def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), 
         row([(A + i, ca[i]) for i in range(n) if ca[i]] + [(R + i, cr[i]) for i in range(n) if cr[i]],
             -np.inf, bound)
 
+    for tie in ties:  # the same decision for each node of a class (repeated blocks)
+        first = index[tie[0]]
+        for v in tie[1:]:
+            row([(A + index[v], 1), (A + first, -1)], 0, 0)
+            row([(R + index[v], 1), (R + first, -1)], 0, 0)
     if target is not None:
         bytes_row(None, target)
     for group, gtarget in group_targets.items():
@@ -398,7 +435,38 @@ def build_problem(joint: JointGraph, tags, params: Set[str], cost_model) -> Tupl
             _view_chain_recomputable(problem, name)
         problem.can_save.discard(name)
         problem.cost[name] = 0.0
+    problem.ties = _repeats(problem, joint, by_id)
     return problem, by_id
+
+
+_BLOCK = re.compile(r"(?<![^.])(\d+)(?=\.)")  # a block's index in a module path: model.layers.3.mlp, 3.mlp
+
+
+def _repeats(problem: Problem, joint: JointGraph, by_id) -> List[Tuple[str, ...]]:
+    """Classes of forward ops alike across repeated blocks: the k-th op (in graph order) named
+    ``model.layers.<i>.mlp.down_proj.mm`` for each ``i``, kept where its members are the same to the
+    solver (bytes, cost, what may be saved or recomputed, read by backward, view or not, region)."""
+    members: Dict[tuple, List[str]] = {}
+    for name in problem.order:
+        node = by_id[name]
+        label = joint.names.get(node)
+        if node.op != "call_function" or not label:
+            continue
+        blocks = tuple(_BLOCK.findall(label))
+        if blocks:
+            members.setdefault((_BLOCK.sub("#", label), blocks), []).append(name)
+    classes: Dict[tuple, List[str]] = {}
+    for (label, _), names in members.items():
+        for k, name in enumerate(names):
+            classes.setdefault((label, k), []).append(name)
+    regions = {b: g for g, storages in problem.groups.items() for b in storages}
+
+    def alike(v):
+        base = problem.base[v]
+        return (by_id[v].target, problem.storage_bytes.get(base), base == v, v in problem.needed,
+                v in problem.can_save, v in problem.can_recompute, problem.cost[v], regions.get(base))
+
+    return [tuple(names) for names in classes.values() if len(names) > 1 and len({alike(v) for v in names}) == 1]
 
 
 def _view_chain_recomputable(problem: Problem, name: str) -> None:
@@ -493,8 +561,10 @@ def apply_budget(joint: JointGraph, tags, plan, budgets: Dict[Optional[str], Bud
     if target >= maximum and all(regions[r].target >= regions[r].maximum for r in regions):
         report.solve_seconds = time.perf_counter() - t0
         return tags, report  # the plan without a budget fits: keep it
-    sol = solve(problem, min(target, maximum), group_targets, method=options.solver, time_limit=limit)
+    sol = solve(problem, min(target, maximum), group_targets, method=options.solver, time_limit=limit,
+                alike=options.blocks_alike)
     report.solver = sol.method
+    report.alike = len(problem.ties) if sol.alike else 0
     for region in group_targets:
         if region in regions:
             regions[region].solver = sol.method

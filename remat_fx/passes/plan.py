@@ -73,6 +73,7 @@ class BudgetReport:
     held_by: str = ""
     held_met: bool = True
     held_final: bool = True  # the bound was that budget's final plan (monotone="grid"), not its first one
+    alike: int = 0  # classes of ops alike across repeated blocks that the solver decided alike (passes/budget.py)
 
     def __str__(self) -> str:
         """Target, achieved, the feasible range, and why achieved is below the target when the plan
@@ -106,6 +107,8 @@ class BudgetReport:
             text += ": the plan without a budget fits, no solver ran"
         else:
             text += f"; {self.solver} solver, {self.solve_seconds * 1e3:.0f} ms"
+            if self.alike:
+                text += f", repeated blocks planned alike ({self.alike} ops tied)"
         return text + f"; est. recompute {self.estimated_cost_s * 1e3:.3f} ms"
 
 
