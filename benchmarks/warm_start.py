@@ -16,7 +16,9 @@ wait for the C++/Triton kernels to compile (``async_compile.wait``), with the ke
 generated (``torch._inductor.metrics.generated_kernel_count``: every layer's copy of a kernel
 counted) and the kernels compiled (the distinct ones: the C++ libraries and Triton binaries the
 process wrote to its new cache folder); the rest is Dynamo's and AOTAutograd's tracing and the step
-itself. ``--first-only`` runs the first process alone.
+itself. ``--first-only`` runs the first process alone; ``--blocks-alike off,0.01`` adds remat's
+variants with that option (docs/budgets.md#repeated-blocks-alike); ``--options '{"rerun": false}'``
+gives remat's variants more options.
 
 A budget is a fraction, a size ("7MiB", remat only: PyTorch's budget is a fraction) or a
 peak_budget ("peak=24MiB", remat only); the rows of the last two are compared with the PyTorch
@@ -54,7 +56,10 @@ def child(args) -> None:
         fn = torch.compile(model)
     else:
         knob, value = _knob(args.budget)
-        fn = torch.compile(model, backend="remat", options={knob: value, "monotone": args.mode})
+        options = {knob: value, "monotone": args.mode, **json.loads(args.options)}
+        if args.alike != "off":
+            options["blocks_alike"] = float(args.alike)
+        fn = torch.compile(model, backend="remat", options=options)
     t0 = time.perf_counter()
     fn(ids, labels=ids).loss.backward()
     first = time.perf_counter() - t0
@@ -99,12 +104,13 @@ def _knob(budget) -> tuple:
     return "memory_budget", budget
 
 
-def run_twice(args, backend: str, budget: float, mode: str) -> list:
+def run_twice(args, backend: str, budget: float, mode: str, alike: str = "off") -> list:
     """The first step of the two processes (one with ``--first-only``), as child() reports them."""
     with tempfile.TemporaryDirectory() as inductor, tempfile.TemporaryDirectory() as remat_dir:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor, REMAT_FX_CACHE_DIR=remat_dir,
                    REMAT_FX_PLAN_CACHE="1", OMP_NUM_THREADS=str(args.threads))
-        cmd = [sys.executable, __file__, "--child", backend, "--budget", str(budget), "--mode", mode,
+        cmd = [sys.executable, __file__, "--child", backend, "--budget", str(budget), "--mode", mode, "--alike", alike,
+               "--options", args.options,
                *[f"--{k}={getattr(args, k)}" for k in ("layers", "hidden", "vocab", "batch", "seq", "device",
                                                        "threads")]]
         out = []
@@ -129,9 +135,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--first-only", action="store_true", help="the first process alone (the phases table)")
+    ap.add_argument("--blocks-alike", default="off",
+                    help="remat's variants with option blocks_alike: 'off' or fractions, comma-separated (off,0.01)")
+    ap.add_argument("--options", default="{}", help="more options for remat's variants, as JSON")
     ap.add_argument("--child", default=None, choices=["torch", "remat"], help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=_budget, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="nearest", help=argparse.SUPPRESS)
+    ap.add_argument("--alike", default="off", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.model = "llama"
     if args.child:
@@ -161,11 +171,13 @@ def main() -> None:
                 rows.append(f"| PyTorch budget {budget:g} | {first:.1f} | {base:.1f} (AOTAutograd "
                             f"cache hits {torch_runs[1]['aot_autograd_cache_hits']}) | 1.00 |")
                 print(rows[-1], flush=True)
-        for mode in args.monotone.split(","):
+        for mode, alike in ((m, a) for m in args.monotone.split(",") for a in args.blocks_alike.split(",")):
             knob, value = _knob(budget)
             label = f"{knob} {value:g}" if isinstance(value, float) else f"{knob} {value}"
-            runs = run_twice(args, "remat", budget, mode)
-            split(f"remat {label}, monotone {mode}", runs[0])
+            label += f", monotone {mode}" + ("" if alike == "off" else f", blocks_alike {alike}") \
+                + ("" if args.options == "{}" else f", {args.options}")
+            runs = run_twice(args, "remat", budget, mode, alike)
+            split(f"remat {label}", runs[0])
             if args.first_only:
                 continue
             cold, warm = runs
@@ -173,7 +185,7 @@ def main() -> None:
                 f"planning {warm['planning_s']:.1f} s, {warm['partitions']} partitions" + \
                 (", the plan cache's choice" if warm["from_cache"] else "")
             ratio = "" if base is None else f"{warm['first_s'] / base:.2f}"
-            rows.append(f"| remat {label}, monotone {mode} | {cold['first_s']:.1f} "
+            rows.append(f"| remat {label} | {cold['first_s']:.1f} "
                         f"({cold['planning_s']:.1f}, {cold['partitions']}) | {warm['first_s']:.1f} ({how}) | {ratio} |")
             print(rows[-1], flush=True)
     print("\n".join(([] if args.first_only else rows + [""]) + phases))
