@@ -22,25 +22,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.warm_start import model_arguments  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("variants", nargs="+", help="name=<remat options as JSON>")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=1000)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=1)
+    model_arguments(ap)
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp())
     os.environ.setdefault("REMAT_FX_PLAN_CACHE", "0")
     import torch
 
-    sys.path.insert(0, str(ROOT))
     import remat_fx as remat
     from benchmarks.gpu import build
     from remat_fx.measure import step_peak_bytes

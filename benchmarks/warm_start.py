@@ -122,10 +122,9 @@ def run_twice(args, backend: str, budget: float, mode: str, alike: str = "off") 
         return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--budgets", default="0.3,0.1")
-    ap.add_argument("--monotone", default="nearest,grid")
+def model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model's arguments (benchmarks/gpu.py's build) with this machine's defaults: its Llama of
+    8 layers, hidden 128, batch 4 x 256, on the CPU, one thread."""
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=1000)
@@ -133,6 +132,13 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budgets", default="0.3,0.1")
+    ap.add_argument("--monotone", default="nearest,grid")
+    model_arguments(ap)
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--first-only", action="store_true", help="the first process alone (the phases table)")
     ap.add_argument("--blocks-alike", default="off",
