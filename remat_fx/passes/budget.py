@@ -435,7 +435,6 @@ def build_problem(joint: JointGraph, tags, params: Set[str], cost_model) -> Tupl
             _view_chain_recomputable(problem, name)
         problem.can_save.discard(name)
         problem.cost[name] = 0.0
-    problem.ties = _repeats(problem, joint, by_id)
     return problem, by_id
 
 
@@ -561,6 +560,8 @@ def apply_budget(joint: JointGraph, tags, plan, budgets: Dict[Optional[str], Bud
     if target >= maximum and all(regions[r].target >= regions[r].maximum for r in regions):
         report.solve_seconds = time.perf_counter() - t0
         return tags, report  # the plan without a budget fits: keep it
+    if options.blocks_alike is not None:  # the classes only when asked: a walk over the graph's names
+        problem.ties = _repeats(problem, joint, by_id)
     sol = solve(problem, min(target, maximum), group_targets, method=options.solver, time_limit=limit,
                 alike=options.blocks_alike)
     report.solver = sol.method
