@@ -6,6 +6,13 @@ the first dropped) so that a slower minute of the machine falls on all of them a
     python benchmarks/variants.py 'off={"peak_budget": "24MiB"}' \\
         'alike={"peak_budget": "24MiB", "blocks_alike": 0.01}'
 
+A variant's JSON may also hold ``"_blocks_first": false``, which is not an option: the rerun search
+for the lowest peak without its second search, the one that reruns whole blocks first
+(remat_fx/passes/rerun.py ``_BLOCKS_FIRST``), set while that variant compiles:
+
+    python benchmarks/variants.py 'values={"memory_budget": 0, "_blocks_first": false}' \\
+        'both={"memory_budget": 0}'
+
 Per variant: the plan's estimated step peak and step time (cost model), the median step time
 and the measured step peak (CPU: the profiler's allocation events, remat_fx.measure.step_peak_bytes;
 CUDA: the allocator's maximum over the step).
@@ -58,10 +65,17 @@ def main() -> None:
             torch.cuda.synchronize()
 
     fns, plans = {}, {}
+    from remat_fx.passes import rerun
+
     for name, options in variants.items():
+        rerun._BLOCKS_FIRST = options.pop("_blocks_first", True)
+        # Dynamo would give a variant whose options equal an earlier one's (_blocks_first aside) its
+        # compiled code; after a reset the earlier variants keep theirs
+        torch._dynamo.reset()
         fns[name] = torch.compile(model, backend="remat", options=options)
         synced(fns[name])
         plans[name] = remat.last_plan()
+    rerun._BLOCKS_FIRST = True
     times = {name: [] for name in fns}
     for _ in range(args.rounds):
         for name, fn in fns.items():
