@@ -70,7 +70,7 @@ class RerunReport:
     names: List[str] = field(default_factory=list)  # FX names of the values rerun (a block's path: the whole block)
     shortened_from: Optional[int] = None  # reruns the search kept, where the step dropped the last ones (shorten)
     # what shorten() needs, until the backward is compiled: the backward without reruns, and per
-    # kept rerun (program, backward's estimated peak with it, FX nodes it copies, seconds so far)
+    # kept rerun (program, backward's estimated peak with it, name, FX nodes it copies, seconds so far)
     _steps: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     @property
@@ -272,7 +272,7 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
         report.peak_after = keep[-1][1].peak
         _tally(report, keep)
         if cap is None:  # a peak_budget keeps the reruns it chose (nothing to shorten)
-            report._steps = (bw, backward0, [(h[0], h[1].backward, h[3], h[4], h[2]) for h in keep])
+            report._steps = (bw, backward0, [(h[0], h[1].backward, *h[2:]) for h in keep])
         bw = _materialize(bw, prog.items)
     report.seconds = time.perf_counter() - t0
     return bw, report
@@ -352,20 +352,20 @@ def shorten(report: RerunReport, bw: fx.GraphModule, limit: Optional[int]):
         k = next((k for k, step in enumerate(steps, 1) if step[1] <= limit), len(steps))
     if k >= len(steps):
         return None
-    short = RerunReport(reruns=k, names=report.names[:k], peak_before=report.peak_before,
-                        seconds=report.seconds, allowance_s=report.allowance_s, shortened_from=report.reruns)
+    short = RerunReport(peak_before=report.peak_before, seconds=report.seconds, allowance_s=report.allowance_s,
+                        shortened_from=report.reruns)
     higher = (steps[k - 1][1] if k else backward0) - steps[-1][1]
     if not k:
         short.peak_after = report.peak_before
         return source, short, higher
     items, peak = steps[k - 1][:2]
-    short.peak_after, short.names, short.reruns = max(peak, report.peak_after), [], 0
-    _tally(short, [(h[0], None, h[4], h[2], h[3]) for h in steps[:k]])
+    short.peak_after = max(peak, report.peak_after)
+    _tally(short, steps[:k])
     return _materialize(source, items), short, higher
 
 
 def _tally(report: RerunReport, kept: list) -> None:
-    """The reruns of ``kept`` (the search's history: items, state, name, nodes, seconds so far) that
+    """The reruns of ``kept`` (the search's history: items, state or peak, name, nodes, seconds so far) that
     are in its last program, counted into ``report``: a later rerun placed before an earlier one's
     copies that remakes all they made leaves them unread (a block's rerun past a value rerun alone
     before), and the graph drops them."""
@@ -602,7 +602,7 @@ _CANNOT = object()  # _closure: too large, or it reads an output of an op that c
 
 def _closure(prog: _Program, rs: Set, need, u: int, t_star: int, roots, index, start, last, uses, size, inlined,
              used_here, max_closure: int, wide: bool):
-    """(closure, extended) of a rerun of ``r`` before position ``u``: the items to copy, in no
+    """(closure, extended) of a rerun of the storages ``rs`` before position ``u``: the items to copy, in no
     order, and {storage: bytes it now stays alive across t_star} of what they read that cannot run
     again; ``_CANNOT`` if the closure is too large or cannot be built, None if it does not remake
     what the late users read. It stops at values alive at ``u`` anyway (``wide``: only at those
@@ -657,7 +657,7 @@ def _owns_outputs(item: _Item) -> bool:
 
 
 def _reaches(m: _Item, rs: Set, roots, index, inlined, rewired) -> bool:
-    """Whether reading ``m`` reads the storage ``r``: ``m`` is (a view of) it, or an inlined op (not
+    """Whether reading ``m`` reads one of the storages ``rs``: ``m`` is (a view of) it, or an inlined op (not
     itself rewired to the copies) computed inside its reader from a chain that reads it."""
     if roots[index[m]] in rs:
         return True
