@@ -72,6 +72,12 @@ def module_paths(node: fx.Node) -> Tuple[str, ...]:
     return tuple(dict.fromkeys(p for p in paths if p))
 
 
+def numbered_block(node: fx.Node) -> Optional[str]:
+    """The outermost module path of ``node`` that ends in an index (``model.layers.3``), or None:
+    the block a per-layer checkpoint would wrap."""
+    return next((p for p in module_paths(node) if p.rsplit(".", 1)[-1].isdigit()), None)
+
+
 def module_path(node: fx.Node) -> Optional[str]:
     """Dotted path of the innermost module the node was traced in (``layers.0.mlp.up``)."""
     paths = module_paths(node)

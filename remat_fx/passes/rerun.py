@@ -50,7 +50,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from remat_fx.passes.capture import is_random, module_paths
+from remat_fx.passes.capture import is_random, numbered_block
 from remat_fx.passes.cost import flops
 from remat_fx.passes.peak import allocation, held_to_end, inlined_nodes, is_view, liveness, node_facts, storage_bytes
 
@@ -131,7 +131,7 @@ class _Program:
     def block(self, node: fx.Node) -> Optional[str]:
         """The outermost module path of ``node`` that ends in an index (``model.layers.3``), or None."""
         if node not in self.blocks:
-            self.blocks[node] = next((p for p in module_paths(node) if p.rsplit(".", 1)[-1].isdigit()), None)
+            self.blocks[node] = numbered_block(node)
         return self.blocks[node]
 
     def root(self, item: _Item, memo: dict):
