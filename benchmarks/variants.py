@@ -8,7 +8,7 @@ the first dropped) so that a slower minute of the machine falls on all of them a
 
 A variant's JSON may also hold ``"_blocks_first": false``, which is not an option: the rerun search
 for the lowest peak without its second search, the one that reruns whole blocks first
-(remat_fx/passes/rerun.py ``_BLOCKS_FIRST``), set while that variant compiles:
+(remat_fx/passes/rerun.py ``_BLOCKS_FIRST``), set while that variant's graphs are planned:
 
     python benchmarks/variants.py 'values={"memory_budget": 0, "_blocks_first": false}' \\
         'both={"memory_budget": 0}'
@@ -31,6 +31,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.warm_start import model_arguments  # noqa: E402
+
+
+def variant_backend(options: dict):
+    """The remat backend with ``options``, one callable per variant. Dynamo keeps each backend's
+    compiled code apart, where ``backend="remat"`` with equal options would share it; and no
+    ``torch._dynamo.reset()`` is needed between variants (after one, each earlier variant compiles
+    again at its next call, the module switches as the later variant left them: a variant without
+    the blocks-first search then ran with it). ``_blocks_first`` is set around this variant's
+    planning only."""
+    from remat_fx.backend import backend
+    from remat_fx.passes import rerun
+
+    options = dict(options)
+    blocks_first = options.pop("_blocks_first", True)
+
+    def compile_variant(gm, example_inputs):
+        rerun._BLOCKS_FIRST = blocks_first
+        try:
+            return backend(gm, example_inputs, options)
+        finally:
+            rerun._BLOCKS_FIRST = True
+
+    return compile_variant
 
 
 def main() -> None:
@@ -65,17 +88,10 @@ def main() -> None:
             torch.cuda.synchronize()
 
     fns, plans = {}, {}
-    from remat_fx.passes import rerun
-
     for name, options in variants.items():
-        rerun._BLOCKS_FIRST = options.pop("_blocks_first", True)
-        # Dynamo would give a variant whose options equal an earlier one's (_blocks_first aside) its
-        # compiled code; after a reset the earlier variants keep theirs
-        torch._dynamo.reset()
-        fns[name] = torch.compile(model, backend="remat", options=options)
+        fns[name] = torch.compile(model, backend=variant_backend(options))
         synced(fns[name])
         plans[name] = remat.last_plan()
-    rerun._BLOCKS_FIRST = True
     times = {name: [] for name in fns}
     for _ in range(args.rounds):
         for name, fn in fns.items():
