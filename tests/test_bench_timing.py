@@ -67,3 +67,32 @@ def test_torch_budget_backend_keeps_its_budget_beside_another_and_after_a_reset(
     torch._dynamo.reset()  # as the benchmarks do between variants: each recompiles at its next call
     assert _saved_bytes(least, x) == least_bytes
     assert _saved_bytes(full, x) == full_bytes
+
+
+def test_each_variant_keeps_its_own_compiled_code_and_plans_under_its_own_switch(monkeypatch):
+    """benchmarks/variants.py: two variants with equal options, one without the blocks-first
+    rerun search, each compiled once (no Dynamo reset, after which an earlier variant compiles again
+    under the later one's switch) and planned with its own switch, which is restored after."""
+    import torch
+
+    from benchmarks.variants import variant_backend
+    from remat_fx.passes import partition, rerun
+
+    seen = []
+    plan = partition._partition
+
+    def recording(*args, **kwargs):
+        seen.append(rerun._BLOCKS_FIRST)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(partition, "_partition", recording)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    options = {"memory_budget": 0.5, "lower": "eager"}
+    values = torch.compile(model, backend=variant_backend({**options, "_blocks_first": False}))
+    both = torch.compile(model, backend=variant_backend(options))
+    for _ in range(3):
+        for fn in (values, both):
+            fn(x).sum().backward()
+    assert seen == [False, True]
+    assert rerun._BLOCKS_FIRST is True
