@@ -47,11 +47,11 @@ def variant_backend(options: dict):
     blocks_first = options.pop("_blocks_first", True)
 
     def compile_variant(gm, example_inputs):
-        rerun._BLOCKS_FIRST = blocks_first
+        before, rerun._BLOCKS_FIRST = rerun._BLOCKS_FIRST, blocks_first
         try:
             return backend(gm, example_inputs, options)
         finally:
-            rerun._BLOCKS_FIRST = True
+            rerun._BLOCKS_FIRST = before
 
     return compile_variant
 

@@ -129,7 +129,7 @@ class _Program:
         self.blocks: Dict[fx.Node, Optional[str]] = {}  # a node's numbered block (``model.layers.3``)
 
     def block(self, node: fx.Node) -> Optional[str]:
-        """The outermost module path of ``node`` that ends in an index (``model.layers.3``), or None."""
+        """``capture.numbered_block(node)``, looked up once per node."""
         if node not in self.blocks:
             self.blocks[node] = numbered_block(node)
         return self.blocks[node]
