@@ -1,0 +1,184 @@
+"""Planning alone: where remat's partition spends its time, on the joint graph of an 8-layer
+Hugging Face Llama (benchmarks/gpu.py's model by default), without lowering anything (CPU).
+
+    python benchmarks/planning.py [--budgets 0.1,peak=24MiB,0] [--monotone nearest[,grid]]
+                                  [--layers 8] [--hidden 128] [--intermediate 352] [--heads 1] [--vocab 1000]
+                                  [--seq 256] [--batch 4] [--lower inductor|eager] [--repeat 1] [--out FILE]
+
+The model's joint graph is captured once (one compile with the eager lowering: the joint graph is
+the one Inductor would see); each variant then runs remat's partition on it again with its
+options, as the compile does (the cost model and the liveness read ``--lower``), with the plan
+cache off, and nothing is lowered. A first-step figure is planning plus Dynamo's and Inductor's
+work (docs/benchmarks.md, "First step", ``benchmarks/warm_start.py``); this splits the planning:
+
+* ``min-cut``: PyTorch's ``min_cut_rematerialization_partition`` (one per candidate plan),
+* ``solver``: the budget solver (``apply_budget``: the MILP, or a fallback),
+* ``rerun``: the rerun searches (``rerun_for_peak``), and inside them ``simulate``: the liveness of
+  each program the search tries (``rerun._Program.simulate``),
+* ``estimate``: the step-peak estimates of candidate plans (``passes/peak.py estimate``),
+* ``other``: the rest (tags, the peak searches' bookkeeping, the schedule, the cost model).
+
+Each figure is (calls, seconds), from a wrapper around the function, no profiler. With ``--repeat``
+each variant is planned that many times and the fastest planning is kept (the others' counts are the
+same: the search is deterministic). Prints a markdown table (and writes it to ``--out``).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["REMAT_FX_PLAN_CACHE"] = "0"  # every variant searches (the cache would replay a plan)
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import remat_fx as remat  # noqa: E402
+from remat_fx.memory_budget import fmt_bytes  # noqa: E402
+from remat_fx.options import parse_options  # noqa: E402
+from remat_fx.passes import partition as _partition  # noqa: E402
+from remat_fx.passes import rerun as _rerun  # noqa: E402
+from remat_fx.pareto import _capture, _tracing  # noqa: E402
+
+PARTS = ("min-cut", "solver", "rerun", "simulate", "estimate")
+
+
+class Timers:
+    """(calls, seconds) of the functions ``install`` wraps, per part."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.calls = {p: 0 for p in PARTS}
+        self.seconds = {p: 0.0 for p in PARTS}
+
+    def wrap(self, part: str, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.calls[part] += 1
+                self.seconds[part] += time.perf_counter() - t0
+        return timed
+
+
+def install(timers: Timers):
+    """Wraps the planning's parts where partition.py and rerun.py look them up; returns an undo."""
+    patched = [(_partition, "min_cut_rematerialization_partition", "min-cut"),
+               (_partition, "apply_budget", "solver"),
+               (_partition, "rerun_for_peak", "rerun"),
+               (_partition, "estimate_peak", "estimate"),
+               (_rerun._Program, "simulate", "simulate")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
+    for owner, name, part in patched:
+        setattr(owner, name, timers.wrap(part, getattr(owner, name)))
+
+    def undo():
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return undo
+
+
+def variant_options(spec: str, monotone: str, lower: str) -> dict:
+    """``0.1`` -> memory_budget 0.1; ``peak=24MiB`` / ``peak=0.5`` -> peak_budget."""
+    options = {"lower": lower, "monotone": monotone}
+    if spec.startswith("peak="):
+        value = spec[len("peak="):]
+        try:
+            options["peak_budget"] = float(value)
+        except ValueError:
+            options["peak_budget"] = value
+    else:
+        options["memory_budget"] = float(spec)
+    return options
+
+
+def plan_once(graphs, options: dict, timers: Timers) -> dict:
+    """Partitions every captured joint graph under ``options``; the figures of the last graph's plan
+    (the Llama's loss is in its one graph) and the parts' times summed over the graphs."""
+    parsed = parse_options(options)
+    timers.reset()
+    t0 = time.perf_counter()
+    for gm, joint_inputs, kwargs in graphs:
+        with _tracing(joint_inputs):
+            _partition.partition(gm, joint_inputs, options=parsed, **kwargs)
+    total = time.perf_counter() - t0
+    plan = remat.last_plan()
+    return dict(total=total, calls=dict(timers.calls), seconds=dict(timers.seconds),
+                saved=plan.total_bytes, peak=plan.peak.step,
+                reruns=plan.rerun.reruns if plan.rerun is not None else 0)
+
+
+def row(label: str, r: dict) -> str:
+    s, c = r["seconds"], r["calls"]
+    other = r["total"] - sum(s[p] for p in PARTS if p != "simulate")  # simulate is inside rerun
+    parts = " | ".join(f"{c[p]} / {s[p]:.2f}" for p in PARTS)
+    return (f"| {label} | {r['total']:.2f} | {parts} | {other:.2f} | {fmt_bytes(r['saved'])} | "
+            f"{fmt_bytes(r['peak'])} | {r['reruns']} |")
+
+
+HEAD = ("| variant | planning s | min-cut (calls / s) | solver | rerun | of which simulate | estimate | other s | "
+        "saved | est. peak | reruns |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def build_llama(args):
+    from benchmarks.llama_depth import build
+
+    return build(args)
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budgets", default="0.1,peak=24MiB,0")
+    p.add_argument("--monotone", default="nearest", help="comma-separated: nearest, grid")
+    p.add_argument("--lower", default="inductor", choices=("inductor", "eager"))
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--intermediate", type=int, default=352)
+    p.add_argument("--heads", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=1000)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=1, help="plan each variant this many times, keep the fastest")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: PyTorch's default)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, loss, ids = build_llama(args)
+    graphs = _capture(loss, (ids,), {})
+    nodes = sum(len(gm.graph.nodes) for gm, _, _ in graphs)
+    timers = Timers()
+    undo = install(timers)
+    rows = []
+    try:
+        for monotone in args.monotone.split(","):
+            for spec in [b for b in args.budgets.split(",") if b]:
+                if spec.startswith("peak=") and monotone != "nearest":
+                    continue  # the envelope is a memory_budget's (a peak_budget takes no monotone option)
+                runs = [plan_once(graphs, variant_options(spec, monotone, args.lower), timers)
+                        for _ in range(max(1, args.repeat))]
+                best = min(runs, key=lambda r: r["total"])
+                label = spec if monotone == "nearest" else f"{spec}, monotone={monotone}"
+                rows.append(row(label, best))
+                print(rows[-1], flush=True)
+    finally:
+        undo()
+    text = (f"{args.layers}-layer Llama (hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} head(s), "
+            f"vocab {args.vocab}, batch {args.batch} x {args.seq}), {len(graphs)} joint graph(s) of {nodes} nodes, "
+            f"lower={args.lower}, torch {torch.__version__}\n\n" + HEAD + "\n" + "\n".join(rows) + "\n")
+    print("\n" + text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""benchmarks/planning.py: planning the captured joint graph again gives the compile's plan, and its
+split of the planning time counts the parts it names."""
+import re
+
+import torch
+
+import benchmarks.planning as planning
+import remat_fx as remat
+from benchmarks.llama_depth import build
+from remat_fx.memory_budget import fmt_bytes
+from remat_fx.passes import partition as _partition
+from remat_fx.passes import rerun as _rerun
+
+ARGS = ["--layers", "2", "--hidden", "32", "--intermediate", "64", "--heads", "2", "--vocab", "128", "--seq", "16",
+        "--batch", "2", "--lower", "eager", "--threads", "0"]
+
+
+def _compiled_plan(options):
+    import argparse
+
+    shape = argparse.Namespace(layers=2, hidden=32, intermediate=64, heads=2, vocab=128, seq=16, batch=2)
+    torch._dynamo.reset()
+    model, loss, ids = build(shape)
+    torch.compile(loss, backend="remat", options=options)(ids).backward()
+    plan = remat.last_plan()
+    torch._dynamo.reset()
+    return plan.total_bytes, plan.peak.step, plan.rerun.reruns if plan.rerun is not None else 0
+
+
+def test_planning_benchmark_replans_the_compiles_plan_and_splits_its_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("REMAT_FX_PLAN_CACHE", "0")
+    wrapped = {name: getattr(_partition, name) for name in
+               ("min_cut_rematerialization_partition", "apply_budget", "rerun_for_peak", "estimate_peak")}
+    simulate = _rerun._Program.simulate
+    out = tmp_path / "planning.md"
+    text = planning.main(ARGS + ["--budgets", "0,0.5,peak=0.5", "--out", str(out)])
+    assert out.read_text() == text
+    # the wrappers are taken off again
+    assert all(getattr(_partition, name) is fn for name, fn in wrapped.items())
+    assert _rerun._Program.simulate is simulate
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 11 and re.fullmatch(r"[\d.]+", cells[1]):
+            rows[cells[0]] = cells
+    assert list(rows) == ["0", "0.5", "peak=0.5"], text
+    for label, cells in rows.items():
+        total = float(cells[1])
+        parts = [tuple(float(x) for x in c.split(" / ")) for c in cells[2:7]]
+        min_cut, solver, rerun, simulated, estimates = parts
+        assert min_cut[0] >= 2 and solver[0] >= 1 and estimates[0] >= 1, (label, cells)  # the plan without a
+        # budget and the budget's own: two min-cuts at least, each plan estimated
+        assert simulated[1] <= rerun[1] + 0.01, (label, cells)  # simulate runs inside the rerun searches
+        assert min_cut[1] + solver[1] + rerun[1] + estimates[1] <= total + 0.01, (label, cells)
+        assert float(cells[7]) >= -0.01, (label, cells)  # "other": what the named parts leave
+    assert float(rows["0"][4].split(" / ")[0]) >= 1 and float(rows["0"][5].split(" / ")[0]) >= 1  # budget 0's search
+    # the same plans a compile under these options makes: saved bytes, estimated peak, reruns
+    for label, options in (("0", {"memory_budget": 0.0}), ("0.5", {"memory_budget": 0.5})):
+        saved, peak, reruns = _compiled_plan(dict(options, lower="eager"))
+        cells = rows[label]
+        assert (cells[8], cells[9], int(cells[10])) == (fmt_bytes(saved), fmt_bytes(peak), reruns), (label, cells)
