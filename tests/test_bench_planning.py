@@ -2,6 +2,8 @@
 split of the planning time counts the parts it names."""
 import re
 
+import pytest
+
 import torch
 
 import benchmarks.planning as planning
@@ -33,7 +35,7 @@ def test_planning_benchmark_replans_the_compiles_plan_and_splits_its_time(tmp_pa
                ("min_cut_rematerialization_partition", "apply_budget", "rerun_for_peak", "estimate_peak")}
     simulate = _rerun._Program.simulate
     out = tmp_path / "planning.md"
-    text = planning.main(ARGS + ["--budgets", "0,0.5,peak=0.5", "--out", str(out)])
+    text = planning.main(ARGS + ["--budgets", "0,0.5", "--out", str(out)])
     assert out.read_text() == text
     # the wrappers are taken off again
     assert all(getattr(_partition, name) is fn for name, fn in wrapped.items())
@@ -43,7 +45,7 @@ def test_planning_benchmark_replans_the_compiles_plan_and_splits_its_time(tmp_pa
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) == 11 and re.fullmatch(r"[\d.]+", cells[1]):
             rows[cells[0]] = cells
-    assert list(rows) == ["0", "0.5", "peak=0.5"], text
+    assert list(rows) == ["0", "0.5"], text
     for label, cells in rows.items():
         total = float(cells[1])
         parts = [tuple(float(x) for x in c.split(" / ")) for c in cells[2:7]]
@@ -59,3 +61,11 @@ def test_planning_benchmark_replans_the_compiles_plan_and_splits_its_time(tmp_pa
         saved, peak, reruns = _compiled_plan(dict(options, lower="eager"))
         cells = rows[label]
         assert (cells[8], cells[9], int(cells[10])) == (fmt_bytes(saved), fmt_bytes(peak), reruns), (label, cells)
+
+
+def test_planning_benchmark_refuses_a_peak_budget_before_it_compiles(monkeypatch):
+    """A peak_budget is the whole step's (remat_fx/step.py): one joint graph's partition alone would
+    plan another limit. Refused at once, before the compile that captures the graph."""
+    monkeypatch.setattr(planning, "build_llama", lambda args: pytest.fail("compiled before refusing"))
+    with pytest.raises(SystemExit, match="'peak=24MiB': a peak_budget is planned for the whole step"):
+        planning.main(ARGS + ["--budgets", "0.1,peak=24MiB"])
