@@ -143,9 +143,11 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                 if elapsed > _PROGRESS_S:
                     plan = cuts[key][2]
                     log.info("remat_fx: planning a graph of %d nodes, %.1f s so far: plan %d, memory_budget %s, "
-                             "saves %s, estimated peak %s%s", len(joint_gm.graph.nodes), elapsed, len(cuts),
+                             "saves %s, estimated peak %s, estimated step %.1f ms (%d reruns)%s",
+                             len(joint_gm.graph.nodes), elapsed, len(cuts),
                              ", ".join(str(v) for v in budgets.values()) or "none",
-                             fmt_bytes(plan.total_bytes), fmt_bytes(plan.peak.step),
+                             fmt_bytes(plan.total_bytes), fmt_bytes(plan.peak.step), plan.step_cost_s * 1e3,
+                             plan.rerun.reruns if plan.rerun is not None else 0,
                              " (without reruns: the tie-break's walk)" if quick else "")
             return cuts[key]
 
