@@ -66,6 +66,14 @@ def build(args, checkpoint=False):
     return model, loss, ids
 
 
+def add_shape_args(p: argparse.ArgumentParser, intermediate: int = 256, heads: int = 4) -> None:
+    """The Llama's shape options (``build``): 8 layers, hidden 128, vocab 1000, batch 4 x 256 by
+    default (the issue's CPU Llama; benchmarks/gpu.py's has intermediate 352 and one head)."""
+    for name, default in (("layers", 8), ("hidden", 128), ("intermediate", intermediate), ("heads", heads),
+                          ("vocab", 1000), ("seq", 256), ("batch", 4)):
+        p.add_argument(f"--{name}", type=int, default=default)
+
+
 def grads_of(model):
     return {k.replace("layer.", "").replace("_orig_mod.", ""): p.grad.detach().clone()
             for k, p in model.named_parameters()}
@@ -88,13 +96,7 @@ def main(argv=None):
     p.add_argument("--torch-budgets", default="",
                    help="PyTorch's activation_memory_budget values to compare (torch.compile, Inductor), e.g. 1,0.3,0")
     p.add_argument("--lower", default="inductor", choices=("inductor", "eager"))
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--intermediate", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=1000)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
+    add_shape_args(p)
     p.add_argument("--steps", type=int, default=5, help="interleaved timing rounds (0: no timing)")
     p.add_argument("--grads", action="store_true", help="check gradients against eager (rtol 1e-4)")
     p.add_argument("--plans", action="store_true", help="print each remat plan's peak/rerun/budget lines")

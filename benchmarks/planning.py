@@ -42,6 +42,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import remat_fx as remat  # noqa: E402
+from benchmarks.llama_depth import add_shape_args, build  # noqa: E402
 from remat_fx.memory_budget import fmt_bytes  # noqa: E402
 from remat_fx.options import parse_options  # noqa: E402
 from remat_fx.passes import partition as _partition  # noqa: E402
@@ -132,8 +133,6 @@ HEAD = ("| variant | planning s | min-cut (calls / s) | solver | rerun | of whic
 
 
 def build_llama(args):
-    from benchmarks.llama_depth import build
-
     return build(args)
 
 
@@ -142,13 +141,7 @@ def main(argv=None) -> str:
     p.add_argument("--budgets", default="0.1,0.05,0")
     p.add_argument("--monotone", default="nearest", help="comma-separated: nearest, grid")
     p.add_argument("--lower", default="inductor", choices=("inductor", "eager"))
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--intermediate", type=int, default=352)
-    p.add_argument("--heads", type=int, default=1)
-    p.add_argument("--vocab", type=int, default=1000)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
+    add_shape_args(p, intermediate=352, heads=1)  # benchmarks/gpu.py's Llama
     p.add_argument("--repeat", type=int, default=1, help="plan each variant this many times, keep the fastest")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: PyTorch's default)")
     p.add_argument("--out", default=None)
