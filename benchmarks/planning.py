@@ -35,8 +35,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ["REMAT_FX_PLAN_CACHE"] = "0"  # every variant searches (the cache would replay a plan)
-
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,8 +145,10 @@ def main(argv=None) -> str:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     specs = [b for b in args.budgets.split(",") if b]
-    for spec in specs:  # every variant checked before the compile that captures the graph
-        variant_options(spec, "nearest", args.lower)
+    modes = args.monotone.split(",")
+    for monotone in modes:  # every variant checked before the compile that captures the graph
+        for spec in specs:
+            parse_options(variant_options(spec, monotone, args.lower))
     if args.threads:
         torch.set_num_threads(args.threads)
     model, loss, ids = build_llama(args)
@@ -156,9 +156,11 @@ def main(argv=None) -> str:
     nodes = sum(len(gm.graph.nodes) for gm, _, _ in graphs)
     timers = Timers()
     undo = install(timers)
+    cache = os.environ.get("REMAT_FX_PLAN_CACHE")
+    os.environ["REMAT_FX_PLAN_CACHE"] = "0"  # every variant searches (the cache would replay a plan)
     rows = []
     try:
-        for monotone in args.monotone.split(","):
+        for monotone in modes:
             for spec in specs:
                 runs = [plan_once(graphs, variant_options(spec, monotone, args.lower), timers)
                         for _ in range(max(1, args.repeat))]
@@ -168,6 +170,10 @@ def main(argv=None) -> str:
                 print(rows[-1], flush=True)
     finally:
         undo()
+        if cache is None:
+            del os.environ["REMAT_FX_PLAN_CACHE"]
+        else:
+            os.environ["REMAT_FX_PLAN_CACHE"] = cache
     text = (f"{args.layers}-layer Llama (hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} head(s), "
             f"vocab {args.vocab}, batch {args.batch} x {args.seq}), {len(graphs)} joint graph(s) of {nodes} nodes, "
             f"lower={args.lower}, torch {torch.__version__}\n\n" + HEAD + "\n" + "\n".join(rows) + "\n")

@@ -1,15 +1,16 @@
 """benchmarks/planning.py: planning the captured joint graph again gives the compile's plan, and its
 split of the planning time counts the parts it names."""
+import os
 import re
 
 import pytest
-
 import torch
 
 import benchmarks.planning as planning
 import remat_fx as remat
 from benchmarks.llama_depth import build
 from remat_fx.memory_budget import fmt_bytes
+from remat_fx.options import OptionError
 from remat_fx.passes import partition as _partition
 from remat_fx.passes import rerun as _rerun
 
@@ -30,13 +31,18 @@ def _compiled_plan(options):
 
 
 def test_planning_benchmark_replans_the_compiles_plan_and_splits_its_time(tmp_path, monkeypatch):
-    monkeypatch.setenv("REMAT_FX_PLAN_CACHE", "0")
+    # the plan cache on, as for a user: the benchmark turns it off while it plans (a second planning
+    # of a variant would otherwise replay the first's plan in one min-cut) and back on after
+    monkeypatch.setenv("REMAT_FX_PLAN_CACHE", "1")
+    monkeypatch.setenv("REMAT_FX_CACHE_DIR", str(tmp_path / "cache"))
     wrapped = {name: getattr(_partition, name) for name in
                ("min_cut_rematerialization_partition", "apply_budget", "rerun_for_peak", "estimate_peak")}
     simulate = _rerun._Program.simulate
     out = tmp_path / "planning.md"
-    text = planning.main(ARGS + ["--budgets", "0,0.5", "--out", str(out)])
+    text = planning.main(ARGS + ["--budgets", "0,0.5", "--repeat", "2", "--out", str(out)])
     assert out.read_text() == text
+    assert os.environ["REMAT_FX_PLAN_CACHE"] == "1"
+    assert not (tmp_path / "cache").exists()  # nothing recorded while it planned
     # the wrappers are taken off again
     assert all(getattr(_partition, name) is fn for name, fn in wrapped.items())
     assert _rerun._Program.simulate is simulate
@@ -65,7 +71,10 @@ def test_planning_benchmark_replans_the_compiles_plan_and_splits_its_time(tmp_pa
 
 def test_planning_benchmark_refuses_a_peak_budget_before_it_compiles(monkeypatch):
     """A peak_budget is the whole step's (remat_fx/step.py): one joint graph's partition alone would
-    plan another limit. Refused at once, before the compile that captures the graph."""
+    plan another limit. Refused at once, before the compile that captures the graph, as is an
+    option the backend would refuse."""
     monkeypatch.setattr(planning, "build_llama", lambda args: pytest.fail("compiled before refusing"))
     with pytest.raises(SystemExit, match="'peak=24MiB': a peak_budget is planned for the whole step"):
         planning.main(ARGS + ["--budgets", "0.1,peak=24MiB"])
+    with pytest.raises(OptionError, match="monotone"):  # the options' own errors, before the compile too
+        planning.main(ARGS + ["--budgets", "0.1", "--monotone", "nearest,grd"])
