@@ -20,7 +20,9 @@ wait for the C++/Triton kernels to compile (``async_compile.wait``), with the ke
 generated (``torch._inductor.metrics.generated_kernel_count``: every layer's copy of a kernel
 counted) and the kernels compiled (the distinct ones: the C++ libraries and Triton binaries the
 process wrote to its new cache folder); the rest is Dynamo's and AOTAutograd's tracing and the step
-itself. ``--first-only`` runs the first process alone; ``--blocks-alike off,0.01`` adds remat's
+itself. ``--first-only`` runs the first process alone (``--rounds 3``: every variant three times,
+in turn, and a table of the medians, each ratio taken within its round: one run's ratio moved by
+up to 0.2 between runs on this machine); ``--blocks-alike off,0.01`` adds remat's
 variants with that option (docs/budgets.md#repeated-blocks-alike); ``--options '{"rerun": false}'``
 gives remat's variants more options.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -146,6 +149,9 @@ def main() -> None:
     model_arguments(ap)
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--first-only", action="store_true", help="the first process alone (the phases table)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --first-only: run every variant this many times, in turn, and add a table of the "
+                         "medians (a ratio is taken within its round)")
     ap.add_argument("--blocks-alike", default="off",
                     help="remat's variants with option blocks_alike: 'off' or fractions, comma-separated (off,0.01)")
     ap.add_argument("--options", default="{}", help="more options for remat's variants, as JSON")
@@ -155,6 +161,8 @@ def main() -> None:
     ap.add_argument("--alike", default="off", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.model = "llama"
+    if args.rounds < 1 or (args.rounds > 1 and not args.first_only):
+        ap.error("--rounds takes a count of 1 or more, and more than 1 only with --first-only")
     if args.child:
         args.backend = args.child
         child(args)
@@ -164,15 +172,17 @@ def main() -> None:
     phases = ["| variant | first step s | / PyTorch's | planning s | Inductor s | of which kernel compiles s | "
               "kernels generated | kernels compiled |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     base = first = None  # PyTorch's second and first process at the last fraction budget
+    rounds: dict = {}  # label -> [(first process's run, its first step / PyTorch's in the same round)]
 
     def split(label: str, run: dict) -> None:
         planning = "" if run["planning_s"] is None else f"{run['planning_s']:.1f}"
         ratio = "" if first is None else f"{run['first_s'] / first:.2f}"
+        rounds.setdefault(label, []).append((run, None if first is None else run["first_s"] / first))
         phases.append(f"| {label} | {run['first_s']:.1f} | {ratio} | {planning} | "
                       f"{run['inductor_s']:.1f} | {run['kernel_wait_s']:.1f} | {run['kernels']} | {run['compiled']} |")
         print(phases[-1], flush=True)
 
-    for budget in (_budget(b) for b in args.budgets.split(",")):
+    for budget in (_budget(b) for _ in range(args.rounds) for b in args.budgets.split(",")):
         if isinstance(budget, float):
             torch_runs = run_twice(args, "torch", budget, "")
             first = torch_runs[0]["first_s"]
@@ -200,6 +210,27 @@ def main() -> None:
                         f"({cold['planning_s']:.1f}, {cold['partitions']}) | {warm['first_s']:.1f} ({how}) | {ratio} |")
             print(rows[-1], flush=True)
     print("\n".join(([] if args.first_only else rows + [""]) + phases))
+    if args.rounds > 1:
+        print("\n" + "\n".join(median_table(rounds)))
+
+
+def median_table(rounds: dict) -> list:
+    """The medians over the rounds of each variant (in the order first run): first step, its ratio to
+    PyTorch's of the same round (and each round's), planning and Inductor time, kernels compiled."""
+    def median(values):
+        return statistics.median(values) if values else None
+
+    lines = [f"| variant | first step s (median of {max(len(v) for v in rounds.values())}) | / PyTorch's (each round) | "
+             "planning s | Inductor s | kernels compiled |", "|---|---:|---:|---:|---:|---:|"]
+    for label, runs in rounds.items():
+        ratios = [r for _, r in runs if r is not None]
+        ratio = "" if not ratios else f"{median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})"
+        planning = [run["planning_s"] for run, _ in runs if run["planning_s"] is not None]
+        lines.append(f"| {label} | {median([run['first_s'] for run, _ in runs]):.1f} | {ratio} | "
+                     + ("" if not planning else f"{median(planning):.1f}")
+                     + f" | {median([run['inductor_s'] for run, _ in runs]):.1f} | "
+                     f"{median([run['compiled'] for run, _ in runs]):g} |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -96,3 +96,20 @@ def test_each_variant_keeps_its_own_compiled_code_and_plans_under_its_own_switch
             fn(x).sum().backward()
     assert seen == [False, True]
     assert rerun._BLOCKS_FIRST is True
+
+
+def test_warm_start_medians_take_each_ratio_within_its_round():
+    """benchmarks/warm_start.py --rounds: a variant's ratio is its first step over PyTorch's of the
+    same round, and the table gives the median of those (not a ratio of medians)."""
+    from benchmarks.warm_start import median_table
+
+    def run(first, planning=None):
+        return {"first_s": first, "planning_s": planning, "inductor_s": first / 2, "compiled": 40}
+
+    rounds = {"PyTorch budget 0.1": [(run(40.0), 1.0), (run(60.0), 1.0), (run(44.0), 1.0)],
+              "remat memory_budget 0.1": [(run(50.0, 5.0), 1.25), (run(66.0, 7.0), 1.1), (run(57.2, 6.0), 1.3)]}
+    lines = median_table(rounds)
+    assert lines[0].startswith("| variant | first step s (median of 3) |")
+    assert lines[2] == "| PyTorch budget 0.1 | 44.0 | 1.00 (1.00, 1.00, 1.00) |  | 22.0 | 40 |"
+    # the median of the rounds' ratios, 1.25; the ratio of the medians would be 57.2 / 44.0 = 1.30
+    assert lines[3] == "| remat memory_budget 0.1 | 57.2 | 1.25 (1.25, 1.10, 1.30) | 6.0 | 28.6 | 40 |"
