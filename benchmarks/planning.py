@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -130,10 +130,6 @@ HEAD = ("| variant | planning s | min-cut (calls / s) | solver | rerun | of whic
         "saved | est. peak | reruns |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
-def build_llama(args):
-    return build(args)
-
-
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", default="0.1,0.05,0")
@@ -151,7 +147,7 @@ def main(argv=None) -> str:
             parse_options(variant_options(spec, monotone, args.lower))
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, loss, ids = build_llama(args)
+    model, loss, ids = build(args)
     graphs = _capture(loss, (ids,), {})
     nodes = sum(len(gm.graph.nodes) for gm, _, _ in graphs)
     timers = Timers()

@@ -217,19 +217,16 @@ def main() -> None:
 def median_table(rounds: dict) -> list:
     """The medians over the rounds of each variant (in the order first run): first step, its ratio to
     PyTorch's of the same round (and each round's), planning and Inductor time, kernels compiled."""
-    def median(values):
-        return statistics.median(values) if values else None
-
     lines = [f"| variant | first step s (median of {max(len(v) for v in rounds.values())}) | / PyTorch's (each round) | "
              "planning s | Inductor s | kernels compiled |", "|---|---:|---:|---:|---:|---:|"]
     for label, runs in rounds.items():
         ratios = [r for _, r in runs if r is not None]
-        ratio = "" if not ratios else f"{median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})"
+        ratio = "" if not ratios else f"{statistics.median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})"
         planning = [run["planning_s"] for run, _ in runs if run["planning_s"] is not None]
-        lines.append(f"| {label} | {median([run['first_s'] for run, _ in runs]):.1f} | {ratio} | "
-                     + ("" if not planning else f"{median(planning):.1f}")
-                     + f" | {median([run['inductor_s'] for run, _ in runs]):.1f} | "
-                     f"{median([run['compiled'] for run, _ in runs]):g} |")
+        lines.append(f"| {label} | {statistics.median(run['first_s'] for run, _ in runs):.1f} | {ratio} | "
+                     + ("" if not planning else f"{statistics.median(planning):.1f}")
+                     + f" | {statistics.median(run['inductor_s'] for run, _ in runs):.1f} | "
+                     f"{statistics.median(run['compiled'] for run, _ in runs):g} |")
     return lines
 
 

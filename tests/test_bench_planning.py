@@ -73,7 +73,7 @@ def test_planning_benchmark_refuses_a_peak_budget_before_it_compiles(monkeypatch
     """A peak_budget is the whole step's (remat_fx/step.py): one joint graph's partition alone would
     plan another limit. Refused at once, before the compile that captures the graph, as is an
     option the backend would refuse."""
-    monkeypatch.setattr(planning, "build_llama", lambda args: pytest.fail("compiled before refusing"))
+    monkeypatch.setattr(planning, "build", lambda args: pytest.fail("compiled before refusing"))
     with pytest.raises(SystemExit, match="'peak=24MiB': a peak_budget is planned for the whole step"):
         planning.main(ARGS + ["--budgets", "0.1,peak=24MiB"])
     with pytest.raises(OptionError, match="monotone"):  # the options' own errors, before the compile too
