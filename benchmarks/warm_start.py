@@ -22,8 +22,9 @@ counted) and the kernels compiled (the distinct ones: the C++ libraries and Trit
 process wrote to its new cache folder); the rest is Dynamo's and AOTAutograd's tracing and the step
 itself. ``--first-only`` runs the first process alone (``--rounds 3``: every variant three times,
 in turn, and a table of the medians, each ratio taken within its round: one run's ratio moved by
-up to 0.2 between runs on this machine); ``--blocks-alike off,0.01`` adds remat's
-variants with that option (docs/budgets.md#repeated-blocks-alike); ``--options '{"rerun": false}'``
+up to 0.2 between runs on this machine); ``--blocks-alike default,off,0.01`` gives remat's
+variants without the option (its default, 'final'), with it off, and at 0.01
+(docs/budgets.md#repeated-blocks-alike); ``--options '{"rerun": false}'``
 gives remat's variants more options.
 
 A budget is a fraction, a size ("7MiB", remat only: PyTorch's budget is a fraction) or a
@@ -66,8 +67,9 @@ def child(args) -> None:
     else:
         knob, value = _knob(args.budget)
         options = {knob: value, "monotone": args.mode, **json.loads(args.options)}
-        if args.alike != "off":
-            options["blocks_alike"] = float(args.alike)
+        if args.alike != "default":
+            options["blocks_alike"] = {"off": False, "final": "final"}.get(args.alike) \
+                if args.alike in ("off", "final") else float(args.alike)
         fn = torch.compile(model, backend="remat", options=options)
     fn(ids, labels=ids).loss.backward()
     first = time.perf_counter() - t0
@@ -112,7 +114,7 @@ def _knob(budget) -> tuple:
     return "memory_budget", budget
 
 
-def run_twice(args, backend: str, budget: float, mode: str, alike: str = "off") -> list:
+def run_twice(args, backend: str, budget: float, mode: str, alike: str = "default") -> list:
     """The first step of the two processes (one with ``--first-only``), as child() reports them."""
     with tempfile.TemporaryDirectory() as inductor, tempfile.TemporaryDirectory() as remat_dir:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor, REMAT_FX_CACHE_DIR=remat_dir,
@@ -152,13 +154,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="with --first-only: run every variant this many times, in turn, and add a table of the "
                          "medians (a ratio is taken within its round)")
-    ap.add_argument("--blocks-alike", default="off",
-                    help="remat's variants with option blocks_alike: 'off' or fractions, comma-separated (off,0.01)")
+    ap.add_argument("--blocks-alike", default="default",
+                    help="remat's variants with option blocks_alike: 'default' (not given), 'off', 'final' or "
+                         "fractions, comma-separated (default,off,0.01)")
     ap.add_argument("--options", default="{}", help="more options for remat's variants, as JSON")
     ap.add_argument("--child", default=None, choices=["torch", "remat"], help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=_budget, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="nearest", help=argparse.SUPPRESS)
-    ap.add_argument("--alike", default="off", help=argparse.SUPPRESS)
+    ap.add_argument("--alike", default="default", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.model = "llama"
     if args.rounds < 1 or (args.rounds > 1 and not args.first_only):
@@ -195,7 +198,7 @@ def main() -> None:
         for mode, alike in ((m, a) for m in args.monotone.split(",") for a in args.blocks_alike.split(",")):
             knob, value = _knob(budget)
             label = f"{knob} {value:g}" if isinstance(value, float) else f"{knob} {value}"
-            label += f", monotone {mode}" + ("" if alike == "off" else f", blocks_alike {alike}") \
+            label += f", monotone {mode}" + ("" if alike == "default" else f", blocks_alike {alike}") \
                 + ("" if args.options == "{}" else f", {args.options}")
             runs = run_twice(args, "remat", budget, mode, alike)
             split(f"remat {label}", runs[0])

@@ -48,10 +48,13 @@ _DOC = {
                 "'nearest' (default) against the plan of the nearest target above it on a grid of the feasible "
                 "range; 'grid' against that target's own held plan, and so on up the grid, so that the estimated "
                 "peak never rises as the budget falls across the grid's targets (planning takes 2-4x longer)",
-    "blocks_alike": "with a memory_budget or peak_budget, plan repeated blocks (the ops of model.layers.0, "
-                    "model.layers.1, ...) alike where that adds at most this fraction of the forward's estimated "
-                    "time in recompute: Inductor then compiles one set of kernels for them all, fewer to compile in "
-                    "the first step (True = 0.01; default False: the fastest plan, blocks may differ)",
+    "blocks_alike": "plan repeated blocks (the ops of model.layers.0, model.layers.1, ...) alike, so that Inductor "
+                    "compiles one set of kernels for them all, fewer to compile in the first step: a fraction "
+                    "(True = 0.01) for every plan of a memory_budget or peak_budget, where that adds at most this "
+                    "fraction of the forward's estimated time in recompute; 'final' (default) for the plan a "
+                    "peak_budget's search chose under the Inductor lowering, solved again alike (up to 0.05) and "
+                    "kept where it fits the peak_budget and is not estimated slower; False: never (the fastest "
+                    "plans, blocks may differ)",
 }
 
 
@@ -73,7 +76,8 @@ class BackendOptions:
     roofline: Optional[Roofline] = None
     solver: str = "ilp"
     solver_time_limit: float = 10.0
-    blocks_alike: Optional[float] = None  # the recompute (fraction of the forward's estimated time) allowed
+    blocks_alike: object = "final"  # "final", None (never) or the recompute (fraction of the forward's
+    # estimated time) every budget solve may add to plan repeated blocks alike
     globs: NameGlobs = field(default=None, compare=False, repr=False)
     # the globs the tag pass has warned match nothing: once per compile, shared by the copies
     # (dataclasses.replace) the step planner re-plans the graph with
@@ -180,9 +184,11 @@ def _blocks_alike(value, what):
         return 0.01
     if value is False:
         return None
+    if isinstance(value, str) and value == "final":
+        return value
     if not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise OptionError(f"{what} must be True, False or the recompute it may add as a fraction of the forward's "
-                          f"estimated time in [0, 1), e.g. 0.01, got {value!r}")
+        raise OptionError(f"{what} must be True, False, 'final' or the recompute it may add as a fraction of the "
+                          f"forward's estimated time in [0, 1), e.g. 0.01, got {value!r}")
     return float(value)
 
 
@@ -280,5 +286,5 @@ def parse_options(options, where: str = "backend 'remat'") -> BackendOptions:
                           peak_fraction=None if budget is None else budget.fraction, step_peak=peak,
                           cost_model=checked["cost_model"], roofline=checked.get("roofline"),
                           solver=checked["solver"], solver_time_limit=checked["solver_time_limit"],
-                          blocks_alike=checked.get("blocks_alike"),
+                          blocks_alike=checked.get("blocks_alike", BackendOptions.blocks_alike),
                           globs=NameGlobs(save=checked.get("save", ()), recompute=checked.get("recompute", ())))

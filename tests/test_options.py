@@ -96,17 +96,17 @@ def test_config_checks_each_assignment():
         remat.config.memory_budget = old
 
 
-@pytest.mark.parametrize("value, want", [(True, 0.01), (False, None), (0, 0.0), (0.03, 0.03)])
+@pytest.mark.parametrize("value, want", [(True, 0.01), (False, None), (0, 0.0), (0.03, 0.03), ("final", "final")])
 def test_blocks_alike_takes_a_switch_or_the_recompute_it_may_add(value, want):
     from remat_fx.options import parse_options
 
     assert parse_options({"blocks_alike": value}).blocks_alike == want
-    assert parse_options({}).blocks_alike is None
+    assert parse_options({}).blocks_alike == "final"
 
 
-@pytest.mark.parametrize("value", [1.5, -0.1, "yes", None])
+@pytest.mark.parametrize("value", [1.5, -0.1, "yes", "Final", None])
 def test_blocks_alike_rejects_what_is_neither(value):
-    with pytest.raises(remat.OptionError, match=r"^remat_fx.compile: option 'blocks_alike' must be True, False or "
-                                                r"the recompute it may add as a fraction of the forward's estimated "
-                                                r"time in \[0, 1\), e.g. 0.01, got "):
+    with pytest.raises(remat.OptionError, match=r"^remat_fx.compile: option 'blocks_alike' must be True, False, "
+                                                r"'final' or the recompute it may add as a fraction of the forward's "
+                                                r"estimated time in \[0, 1\), e.g. 0.01, got "):
         remat.compile(_model(), blocks_alike=value)

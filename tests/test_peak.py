@@ -162,6 +162,95 @@ def test_peak_budget_reads_its_range_from_the_solver_without_partitioning_the_le
     assert evaluations == evaluations0 - 1
 
 
+def _fake_plan(saved, peak, step_s, target=None, alike=0):
+    from types import SimpleNamespace
+
+    budget = None if target is None else SimpleNamespace(target=target, solver="ilp", alike=alike)
+    return SimpleNamespace(total_bytes=saved, peak=SimpleNamespace(step=peak), step_cost_s=step_s, budget=budget,
+                           peak_budget=None)
+
+
+@pytest.mark.parametrize("alike_peak, alike_step, alike_classes, kept", [
+    (90, 1.00, 5, True),  # fits, as fast: taken (the blocks' kernels are compiled once)
+    (90, 0.99, 5, True),  # faster (fewer reruns to fit): taken
+    (101, 0.90, 5, False),  # over the cap
+    (90, 1.01, 5, False),  # slower
+    (90, 1.00, 0, False),  # no plan alike within the slack: the solver's fastest again
+])
+def test_peak_budget_solves_its_chosen_target_again_with_blocks_alike(alike_peak, alike_step, alike_classes, kept):
+    """Option blocks_alike 'final' (default, Inductor lowering): the target the peak search chose is
+    solved again with repeated blocks alike, and that plan taken where it fits the cap and is not
+    estimated slower; every other target is solved for the fastest plan."""
+    from remat_fx.passes.peak import FINAL_ALIKE, fit_peak
+
+    calls = []
+    plans = {None: _fake_plan(200, 150, 0.8),  # the plan without a budget: over the cap
+             1000: _fake_plan(120, 95, 1.0, target=1000)}  # fits
+
+    def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None):
+        budget = budgets.get(None)
+        target = None if budget is None else 1000 if budget.fraction == 0 else budget.nbytes  # 1000: the least
+        calls.append((target, alike))
+        if alike is not None:
+            plan = _fake_plan(110, alike_peak, alike_step, target=target, alike=alike_classes)
+        else:
+            plan = plans.get(target) or _fake_plan(999, 999, 9.0, target=target)  # any other: over the cap
+        return "fw", "bw", plan, {}
+
+    def feasible(budgets):
+        from types import SimpleNamespace
+        return SimpleNamespace(minimum=1000, maximum=1000)  # one target: the search's answer is 1000
+
+    without = fit_peak(cut, feasible, {}, 100)
+    assert without[2] is plans[1000] and all(a is None for _, a in calls)
+    calls.clear()
+    found = fit_peak(cut, feasible, {}, 100, alike=FINAL_ALIKE)
+    assert calls[-1] == (1000, FINAL_ALIKE) and all(a is None for _, a in calls[:-1])
+    assert (found[2].total_bytes == 110) == kept and found[2].peak_budget == 100
+    # the plan without a budget fits: nothing to solve again
+    calls.clear()
+    assert fit_peak(cut, feasible, {}, 200, alike=FINAL_ALIKE)[2] is plans[None] and calls == [(None, None)]
+
+
+def test_peak_budget_under_inductor_plans_the_blocks_alike_and_the_plan_cache_replays_it(tmp_path, monkeypatch):
+    """A 6-block GPT's joint graph, planned for the Inductor lowering (nothing lowered) at a
+    peak_budget 70% of the way from its least estimated peak to its peak without a budget: the
+    search's fastest plan saves different ops in different blocks; by default its target is solved
+    again with the blocks alike, which fits the same cap at the same estimated step time. A second
+    partition with the plan cache makes that plan again in one cut."""
+    from remat_fx.options import parse_options
+    from remat_fx.passes import partition
+    from remat_fx.pareto import _capture, _tracing
+    from tests.test_budget import GPT, GPTConfig, _blocks_of, random_batch
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=32, d_model=32, n_head=2, n_layer=6)
+    ((gm, joint_inputs, kwargs),) = _capture(GPT(cfg), random_batch(cfg, 2), {})
+
+    def plan(**options):
+        with _tracing(joint_inputs):
+            partition.partition(gm, joint_inputs, options=parse_options({"lower": "inductor", **options}), **kwargs)
+        return remat.last_plan()
+
+    free, least = plan(), plan(memory_budget=0.0)
+    cap = least.peak.step + int(0.7 * (free.peak.step - least.peak.step))
+    fastest = plan(peak_budget=cap, blocks_alike=False)
+    assert any(len(blocks) < cfg.n_layer for blocks in _blocks_of(fastest).values()), _blocks_of(fastest)
+    assert not fastest.budget.alike
+    alike = plan(peak_budget=cap)
+    assert all(len(blocks) == cfg.n_layer for blocks in _blocks_of(alike).values()), _blocks_of(alike)
+    assert alike.budget.alike > 0 and "repeated blocks planned alike" in str(alike.budget)
+    assert alike.peak.step <= cap == alike.peak_budget and alike.step_cost_s <= fastest.step_cost_s
+    assert alike.budget.target == fastest.budget.target  # the target the search chose, solved again
+    assert alike.peak_evaluations == fastest.peak_evaluations + 1
+    monkeypatch.setenv("REMAT_FX_PLAN_CACHE", "1")
+    monkeypatch.setenv("REMAT_FX_CACHE_DIR", str(tmp_path))
+    first, again = plan(peak_budget=cap), plan(peak_budget=cap)
+    assert not first.from_cache and again.from_cache and again.peak_evaluations == 1
+    assert [(s.name, s.bytes) for s in again.saved] == [(s.name, s.bytes) for s in alike.saved]
+    assert again.budget.alike == alike.budget.alike and again.peak.step == alike.peak.step
+
+
 # -- rerun: recompute a second time where holding a value sets the peak -------------------------
 
 def _held_graph():

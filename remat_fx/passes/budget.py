@@ -560,10 +560,11 @@ def apply_budget(joint: JointGraph, tags, plan, budgets: Dict[Optional[str], Bud
     if target >= maximum and all(regions[r].target >= regions[r].maximum for r in regions):
         report.solve_seconds = time.perf_counter() - t0
         return tags, report  # the plan without a budget fits: keep it
-    if options.blocks_alike is not None:  # the classes only when asked: a walk over the graph's names
+    alike = options.blocks_alike if isinstance(options.blocks_alike, float) else None  # "final": passes/peak.py
+    if alike is not None:  # the classes only when asked: a walk over the graph's names
         problem.ties = _repeats(problem, joint, by_id)
     sol = solve(problem, min(target, maximum), group_targets, method=options.solver, time_limit=limit,
-                alike=options.blocks_alike)
+                alike=alike)
     report.solver = sol.method
     report.alike = len(problem.ties) if sol.alike else 0
     for region in group_targets:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import logging
 import operator
@@ -29,7 +30,7 @@ from remat_fx.options import BackendOptions, RematError
 from remat_fx.passes.budget import apply_budget, budgets_of
 from remat_fx.passes.capture import is_random, read_joint
 from remat_fx.passes.cost import CostModel, node_device
-from remat_fx.passes.peak import backward_inputs, fit_peak, lower_peak, monotone_peak, simulate
+from remat_fx.passes.peak import FINAL_ALIKE, backward_inputs, fit_peak, lower_peak, monotone_peak, simulate
 from remat_fx.passes.peak import estimate as estimate_peak
 from remat_fx.passes.rerun import rerun_for_peak
 from remat_fx.passes.plan import build_plan, record
@@ -128,17 +129,19 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         asked: dict = {}  # the arguments of each (the plan cache records the chosen one's)
         by_tags: dict = {}  # and finishes one set of tags once per allowance, cap and quick
 
-        def cut(budgets, fastest_s=None, cap=None, quick=False):
+        def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None):
             """(fw, bw, plan, tags) meeting ``budgets`` ({} = the plan without a budget); ``fastest_s``:
             the estimated step time of the fastest plan under the user's budget, without reruns (None:
             this is that plan), from which the time allowed to lower the peak is counted; ``cap``: an
             estimated step peak the reruns are to reach instead, whatever their time (the monotone
             envelope's bound); ``quick``: the partition without reruns (no rerun search), whose
-            estimated peak the tie-break's walk compares (passes/peak.py lower_peak)."""
-            key = (_budget_key(budgets), fastest_s, cap, quick)
+            estimated peak the tie-break's walk compares (passes/peak.py lower_peak); ``alike``: the
+            budget solved with repeated blocks alike, allowed that recompute (option blocks_alike's
+            fraction; passes/peak.py fit_peak's last step)."""
+            key = (_budget_key(budgets), fastest_s, cap, quick, alike)
             if key not in cuts:
-                cuts[key] = solve(budgets, fastest_s, cap, quick)
-                asked[id(cuts[key])] = (budgets, fastest_s, cap, quick)
+                cuts[key] = solve(budgets, fastest_s, cap, quick, alike)
+                asked[id(cuts[key])] = (budgets, fastest_s, cap, quick, alike)
                 elapsed = time.perf_counter() - t0
                 if elapsed > _PROGRESS_S:
                     plan = cuts[key][2]
@@ -148,27 +151,30 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                              ", ".join(str(v) for v in budgets.values()) or "none",
                              fmt_bytes(plan.total_bytes), fmt_bytes(plan.peak.step), plan.step_cost_s * 1e3,
                              plan.rerun.reruns if plan.rerun is not None else 0,
-                             " (without reruns: the tie-break's walk)" if quick else "")
+                             " (without reruns: the tie-break's walk)" if quick else
+                             " (repeated blocks alike)" if alike is not None else "")
             return cuts[key]
 
         answers: dict = {}  # the budget solver's answer to one target, asked again with and without reruns
 
-        def solved(budgets):
-            """apply_budget's (tags, report, tags it wrote on the joint graph's nodes) for ``budgets``,
-            solved once; a fresh report each time (the searches annotate theirs)."""
-            key = _budget_key(budgets)
+        def solved(budgets, alike=None):
+            """apply_budget's (tags, report, tags it wrote on the joint graph's nodes) for ``budgets``
+            (with repeated blocks alike, allowed ``alike``), solved once; a fresh report each time (the
+            searches annotate theirs)."""
+            key = (_budget_key(budgets), alike)
             if key not in answers:
-                new_tags, report = apply_budget(joint, tags, plan0, budgets, params, cost, options)
+                solver_options = options if alike is None else dataclasses.replace(options, blocks_alike=alike)
+                new_tags, report = apply_budget(joint, tags, plan0, budgets, params, cost, solver_options)
                 answers[key] = (new_tags, report, {n: n.meta.get("recompute") for n in joint_gm.graph.nodes})
             new_tags, report, written = answers[key]
             return new_tags, copy.copy(report), written
 
-        def solve(budgets, fastest_s, cap, quick):
+        def solve(budgets, fastest_s, cap, quick, alike):
             if not budgets:
                 _write_tags(joint_gm, tags)
                 fw, bw, plan = partitioned(None, lambda: (fw0, bw0, copy.copy(plan0)))
                 return (*finish(fw, bw, plan, _peak_budgeted(options), fastest_s, cap, quick), tags)
-            new_tags, report, written = solved(budgets)
+            new_tags, report, written = solved(budgets, alike)
             # the solver often gives several targets the same tags (the peak searches' targets
             # between two plans' saved bytes): the same tags make the same partition and reruns
             chosen = frozenset((n.name, t.policy) for n, t in new_tags.items())
@@ -207,7 +213,9 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             if searched and plan_cache.enabled(options) else None
         found = None if entry is None else _replay(cut, entry)
         if found is None and _peak_budgeted(options):
-            found = fit_peak(cut, lambda b: solved(b)[1], budgets, options.peak_budget, options.peak_fraction)
+            found = fit_peak(cut, lambda b: solved(b)[1], budgets, options.peak_budget, options.peak_fraction,
+                             alike=FINAL_ALIKE if options.blocks_alike == "final" and options.lower == "inductor"
+                             else None)
         elif found is None:
             chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
             found = chosen if options.peak_slack <= 0 else \
@@ -232,7 +240,7 @@ def _replay(cut, entry):
     if record is None:
         return None
     try:
-        found = cut(record["budgets"], record["fastest_s"], record["cap"], record["quick"])
+        found = cut(record["budgets"], record["fastest_s"], record["cap"], record["quick"], record["alike"])
     except RematError:
         return None  # a budget this graph can no longer meet: the search says why
     plan = found[2]
