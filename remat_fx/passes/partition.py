@@ -151,8 +151,8 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                              ", ".join(str(v) for v in budgets.values()) or "none",
                              fmt_bytes(plan.total_bytes), fmt_bytes(plan.peak.step), plan.step_cost_s * 1e3,
                              plan.rerun.reruns if plan.rerun is not None else 0,
-                             " (without reruns: the tie-break's walk)" if quick else
-                             "" if alike is None else " (repeated blocks alike)" if plan.budget and plan.budget.alike else
+                             " (without reruns: the tie-break's walk)" if quick else "" if alike is None else
+                             " (repeated blocks alike)" if plan.budget and plan.budget.alike else
                              " (asked for repeated blocks alike: none within the slack)")
             return cuts[key]
 
