@@ -137,13 +137,13 @@ def test_peak_budget_reads_its_range_from_the_solver_without_partitioning_the_le
     real, calls = peak.fit_peak, []
 
     def spy(without_solver_range):
-        def fit(cut, feasible, budgets, cap, fraction=None):
+        def fit(cut, feasible, budgets, cap, fraction=None, alike=None):
             def counted(b, *args, **kwargs):
                 calls.append((b.get(None), kwargs.get("quick", False)))
                 return cut(b, *args, **kwargs)
             if without_solver_range:  # as before: the least-saved target partitioned, without reruns
                 feasible = lambda b: counted(b, quick=True)[2].budget  # noqa: E731
-            return real(counted, feasible, budgets, cap, fraction)
+            return real(counted, feasible, budgets, cap, fraction, alike)
         return fit
 
     model, inputs = _gpt()
