@@ -68,8 +68,8 @@ def child(args) -> None:
         knob, value = _knob(args.budget)
         options = {knob: value, "monotone": args.mode, **json.loads(args.options)}
         if args.alike != "default":
-            options["blocks_alike"] = {"off": False, "final": "final"}.get(args.alike) \
-                if args.alike in ("off", "final") else float(args.alike)
+            options["blocks_alike"] = False if args.alike == "off" else \
+                "final" if args.alike == "final" else float(args.alike)
         fn = torch.compile(model, backend="remat", options=options)
     fn(ids, labels=ids).loss.backward()
     first = time.perf_counter() - t0
