@@ -251,6 +251,29 @@ def test_peak_budget_under_inductor_plans_the_blocks_alike_and_the_plan_cache_re
     assert again.budget.alike == alike.budget.alike and again.peak.step == alike.peak.step
 
 
+def test_peak_budget_with_the_blocks_alike_keeps_the_gradients_under_inductor():
+    """The same GPT compiled with Inductor (fullgraph) at peak_budget 0.7: the plan kept is the one
+    alike (every block saves the same), under its limit, and loss and gradients are eager's."""
+    from tests.test_budget import GPT, GPTConfig, _blocks_of, random_batch
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=32, d_model=32, n_head=2, n_layer=6)
+    model, inputs = GPT(cfg), random_batch(cfg, 2)
+    want_loss = model(*inputs)
+    want_loss.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    loss = torch.compile(model, backend="remat", fullgraph=True, options={"peak_budget": 0.7})(*inputs)
+    loss.backward()
+    plan = remat.last_plan()
+    assert plan.budget.alike > 0 and plan.peak.step <= plan.peak_budget
+    assert all(len(blocks) == cfg.n_layer for blocks in _blocks_of(plan).values()), _blocks_of(plan)
+    torch.testing.assert_close(loss, want_loss.detach())
+    for got, ref in zip((p.grad for p in model.parameters()), want):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
 # -- rerun: recompute a second time where holding a value sets the peak -------------------------
 
 def _held_graph():
