@@ -29,11 +29,13 @@ of the joint graph alone would not see.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -72,21 +74,19 @@ class Timers:
         return timed
 
 
-def install(timers: Timers):
-    """Wraps the planning's parts where partition.py and rerun.py look them up; returns an undo."""
-    patched = [(_partition, "min_cut_rematerialization_partition", "min-cut"),
-               (_partition, "apply_budget", "solver"),
-               (_partition, "rerun_for_peak", "rerun"),
-               (_partition, "estimate_peak", "estimate"),
-               (_rerun._Program, "simulate", "simulate")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
-    for owner, name, part in patched:
-        setattr(owner, name, timers.wrap(part, getattr(owner, name)))
-
-    def undo():
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
-    return undo
+@contextlib.contextmanager
+def installed(timers: Timers):
+    """The planning's parts wrapped where partition.py and rerun.py look them up, and the plan cache
+    off (every variant searches: the cache would replay a plan), until the block ends."""
+    with contextlib.ExitStack() as stack:
+        for owner, name, part in ((_partition, "min_cut_rematerialization_partition", "min-cut"),
+                                  (_partition, "apply_budget", "solver"),
+                                  (_partition, "rerun_for_peak", "rerun"),
+                                  (_partition, "estimate_peak", "estimate"),
+                                  (_rerun._Program, "simulate", "simulate")):
+            stack.enter_context(mock.patch.object(owner, name, timers.wrap(part, getattr(owner, name))))
+        stack.enter_context(mock.patch.dict(os.environ, {"REMAT_FX_PLAN_CACHE": "0"}))
+        yield
 
 
 def variant_options(spec: str, monotone: str, lower: str) -> dict:
@@ -151,11 +151,8 @@ def main(argv=None) -> str:
     graphs = _capture(loss, (ids,), {})
     nodes = sum(len(gm.graph.nodes) for gm, _, _ in graphs)
     timers = Timers()
-    undo = install(timers)
-    cache = os.environ.get("REMAT_FX_PLAN_CACHE")
-    os.environ["REMAT_FX_PLAN_CACHE"] = "0"  # every variant searches (the cache would replay a plan)
     rows = []
-    try:
+    with installed(timers):
         for monotone in modes:
             for spec in specs:
                 runs = [plan_once(graphs, variant_options(spec, monotone, args.lower), timers)
@@ -164,12 +161,6 @@ def main(argv=None) -> str:
                 label = spec if monotone == "nearest" else f"{spec}, monotone={monotone}"
                 rows.append(row(label, best))
                 print(rows[-1], flush=True)
-    finally:
-        undo()
-        if cache is None:
-            del os.environ["REMAT_FX_PLAN_CACHE"]
-        else:
-            os.environ["REMAT_FX_PLAN_CACHE"] = cache
     text = (f"{args.layers}-layer Llama (hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} head(s), "
             f"vocab {args.vocab}, batch {args.batch} x {args.seq}), {len(graphs)} joint graph(s) of {nodes} nodes, "
             f"lower={args.lower}, torch {torch.__version__}\n\n" + HEAD + "\n" + "\n".join(rows) + "\n")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 from torch._dynamo.exc import ShortenTraceback
@@ -76,7 +76,7 @@ class BackendOptions:
     roofline: Optional[Roofline] = None
     solver: str = "ilp"
     solver_time_limit: float = 10.0
-    blocks_alike: object = "final"  # "final", None (never) or the recompute (fraction of the forward's
+    blocks_alike: Union[str, float, None] = "final"  # "final", None (never) or the recompute (fraction of the forward's
     # estimated time) every budget solve may add to plan repeated blocks alike
     globs: NameGlobs = field(default=None, compare=False, repr=False)
     # the globs the tag pass has warned match nothing: once per compile, shared by the copies

@@ -549,8 +549,8 @@ def _final_alike(cut, budgets, found, alike: float):
     partition and its rerun search where one is (30 MiB, where that plan was over the cap): 0.8-1.2 s
     of planning."""
     report, cap = found[2].budget, found[2].peak_budget
-    if report is None or report.solver == "none" or report.alike:
-        return found  # the plan without a budget, or one planned alike already
+    if report is None or report.solver == "none":
+        return found  # the plan without a budget: no solver to ask
     other = cut(_overall(budgets, Budget(nbytes=report.target)), alike=alike)
     plan = other[2]
     if not plan.budget.alike or plan.peak.step > cap or plan.step_cost_s > found[2].step_cost_s:
