@@ -212,6 +212,44 @@ def test_peak_budget_solves_its_chosen_target_again_with_blocks_alike(alike_peak
     assert fit_peak(cut, feasible, {}, 200, alike=FINAL_ALIKE)[2] is plans[None] and calls == [(None, None)]
 
 
+@pytest.mark.parametrize("alike_gain_s, kept_over", [(0.001, True), (-0.001, False)])
+def test_peak_budget_solves_the_target_over_the_cap_again_with_blocks_alike(alike_gain_s, kept_over):
+    """'final' also solves alike the smallest target the search cut over the cap: a plan alike
+    saves at most its target, in steps of a block's bytes, and its peak is not the fastest plans'.
+    Here the fastest plan of target t saves t and peaks at t + 100 (cap 1600: t <= 1500 fits); a
+    plan alike saves 1000 below target 1500 and 1500 above it, peaking 50 over what it saves, and
+    takes the one over the cap where it is faster than the plan found."""
+    from remat_fx.passes.peak import FINAL_ALIKE, fit_peak
+
+    calls = []
+
+    def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None):
+        budget = budgets.get(None)
+        target = 3000 if budget is None else 1000 if budget.fraction == 0 else budget.nbytes
+        calls.append((target, alike))
+        if alike is None:
+            return "fw", "bw", _fake_plan(target, target + 100, 2.0 - target / 10000, target=target), {}
+        saved = 1500 if target > 1500 else 1000
+        step = 2.0 - saved / 10000 - (alike_gain_s if saved == 1500 else 0.0)
+        return "fw", "bw", _fake_plan(saved, saved + 50, step, target=target, alike=4), {}
+
+    def feasible(budgets):
+        from types import SimpleNamespace
+        return SimpleNamespace(minimum=1000, maximum=3000)
+
+    found = fit_peak(cut, feasible, {}, 1600, alike=FINAL_ALIKE)
+    searched = [t for t, a in calls if a is None]
+    over = min(t for t in searched if t > 1500)
+    assert calls[-2:] == [(1500, FINAL_ALIKE), (over, FINAL_ALIKE)]  # after the search, and no others alike
+    assert all(a is None for _, a in calls[:-2])
+    if kept_over:
+        assert found[2].budget.target == over and found[2].total_bytes == 1500 and found[2].peak.step == 1550
+        assert found[2].budget.alike and found[2].peak_budget == 1600
+    else:  # slower than the plan found (the alike one at 1500 saves 1000: slower too)
+        assert found[2].budget.target == 1500 and found[2].total_bytes == 1500 and not found[2].budget.alike
+        assert found[2].peak.step == 1600 == found[2].peak_budget
+
+
 def test_peak_budget_under_inductor_plans_the_blocks_alike_and_the_plan_cache_replays_it(tmp_path, monkeypatch):
     """A 6-block GPT's joint graph, planned for the Inductor lowering (nothing lowered) at a
     peak_budget 70% of the way from its least estimated peak to its peak without a budget: the

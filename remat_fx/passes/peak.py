@@ -476,12 +476,15 @@ def fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Opt
     ``feasible(budgets)`` the budget solver's report for ``budgets`` without a partition (its
     feasible range, which a byte cap's search needs from the least-saved plan: the partition it
     cost was 0.9-1.5 s of 17-21 s of planning on the 8-layer Llama of benchmarks/gpu.py). With
-    ``alike``, the plan found is solved again with repeated blocks alike (``_final_alike``)."""
-    found = _fit_peak(cut, feasible, budgets, cap, fraction)
-    return found if alike is None else _final_alike(cut, budgets, found, alike)
+    ``alike``, the targets that bracket the cap are solved again with repeated blocks alike
+    (``_final_alike``)."""
+    found, over = _fit_peak(cut, feasible, budgets, cap, fraction)
+    return found if alike is None else _final_alike(cut, budgets, found, over, alike)
 
 
 def _fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Optional[float]):
+    """(fit_peak's plan without ``alike``, the smallest saved-bytes target the search found over the
+    cap above that plan's, or None)."""
     least = _overall(budgets, Budget(fraction=0.0))  # the fewest saved bytes
     first = cut(budgets)
     if fraction is not None:
@@ -489,15 +492,15 @@ def _fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Op
         low = min(high, cut(least)[2].peak.step)
         cap = low + int(fraction * (high - low))
     if first[2].peak.step <= cap:
-        return _mark(first, cap)
+        return _mark(first, cap), None
     # the feasible range; the least peak's plan (its reruns' search, the longest) only when needed
     report = feasible(least) if fraction is None else cut(least)[2].budget  # a fraction has cut it already
     lo, top = report.minimum, report.maximum
     if None in budgets:
         top = min(top, budgets[None].target(lo, top))
-    found = _toward_cap(cut, budgets, cap, lo, top, first, lambda: cut(least))
+    found, over = _toward_cap(cut, budgets, cap, lo, top, first, lambda: cut(least))
     if found is not None:
-        return _mark(found, cap)
+        return _mark(found, cap), over
     probe = cut(least)
     tried = [(first[2].total_bytes, first)]
     above, found = top, None
@@ -529,38 +532,42 @@ def _fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Op
             good_target, good = mid, result
         else:
             above = mid
-    return _mark(good, cap)
+    return _mark(good, cap), (above if above < top else None)
 
 
 FINAL_ALIKE = 0.05  # option blocks_alike "final": the recompute (fraction of the forward's time) it may add
 
 
-def _final_alike(cut, budgets, found, alike: float):
-    """``found`` (a peak search's plan) or, where it is as fast and fits the same cap, the plan of its
-    saved-bytes target solved with repeated blocks alike (``cut(..., alike=alike)``, the budget
-    solver's blocks_alike): Inductor compiles one set of kernels for blocks planned alike, fewer in
+def _final_alike(cut, budgets, found, over: Optional[int], alike: float):
+    """``found`` (a peak search's plan) or the fastest of the plans solved with repeated blocks alike
+    (``cut(..., alike=alike)``, the budget solver's blocks_alike) at the two saved-bytes targets that
+    bracket the cap: ``found``'s, and ``over``, the smallest target the search cut over the cap
+    above it (None: none was). A plan alike is taken where it fits the same cap and is not estimated
+    slower, reruns included. Inductor compiles one set of kernels for blocks planned alike, fewer in
     the first step. The search itself solves each target for the fastest plan, whose blocks often
     differ (which of several blocks of equal cost saves a tensor is the solver's arbitrary choice).
-    On the 8-layer Llama of benchmarks/gpu.py at peak_budget 24 MiB: 45 kernels compiled instead of
-    56, first step 1.41x PyTorch's at budget 0.1 instead of 1.59x (medians of three rounds), an
-    estimated step of 359.1 ms instead of 367.5 (the plan alike needs 2 reruns to fit, not 13) and a
-    measured peak of 18.70 MiB instead of 19.73 (docs/budgets.md#repeated-blocks-alike). Costs a
-    budget solve where no plan alike is within ``alike`` of the fastest (20 MiB there), and a
-    partition and its rerun search where one is (30 MiB, where that plan was over the cap): 0.8-1.2 s
-    of planning."""
+    The second target is there because a plan alike saves at most its target, often less (every
+    block saves the same ops: its saved bytes come in steps of a block's), and what it saves does
+    not set its peak as the fastest plans' do: on the 8-layer Llama of benchmarks/gpu.py at
+    peak_budget 24 MiB the fastest plans peak about 16.2 MiB over what they save, near the cap, while
+    the plan alike at the target over the cap (11.96 MiB) saves 11.95 MiB, peaks at 23.53 MiB with
+    one rerun and is estimated at 348.4 ms a step, against 359.1 for the plan alike at the found
+    target (8.05 MiB saved, 2 reruns) and 367.5 for the search's (11.05 MiB, 13 reruns)
+    (docs/budgets.md#repeated-blocks-alike). Costs a budget solve per target, and a partition with
+    its rerun search for each plan alike (the same tags are partitioned once): 0.5-2 s of planning."""
     report, cap = found[2].budget, found[2].peak_budget
     if report is None or report.solver == "none":
         return found  # the plan without a budget: no solver to ask
-    other = cut(_overall(budgets, Budget(nbytes=report.target)), alike=alike)
-    plan = other[2]
-    if not plan.budget.alike or plan.peak.step > cap or plan.step_cost_s > found[2].step_cost_s:
-        return found
-    return _mark(other, cap)
+    targets = (report.target,) if over is None else (report.target, over)
+    kept = [r for r in (cut(_overall(budgets, Budget(nbytes=t)), alike=alike) for t in targets)
+            if r[2].budget.alike and r[2].peak.step <= cap and r[2].step_cost_s <= found[2].step_cost_s]
+    return _mark(min(kept, key=lambda r: (r[2].step_cost_s, r[2].peak.step)), cap) if kept else found
 
 
 def _toward_cap(cut, budgets, cap: int, lo: int, top: int, over, least: Callable):
-    """A plan under ``cap``, or None, found by stepping the saved-bytes target down from ``over``
-    (the plan without a budget, over the cap; its target ``top``) as a secant search on the plans'
+    """(A plan under ``cap``, or None; the smallest target cut over the cap, above those that fit,
+    or None if only ``top``'s is) found by stepping the saved-bytes target down from ``over`` (the
+    plan without a budget, over the cap; its target ``top``) as a secant search on the plans'
     saved bytes and estimated peaks: the first step assumes the peak falls byte for byte with the
     saved bytes (it falls by at most that: the saved tensors are alive at the backward's peak, and
     the recompute that replaces them is alive there too), each later one the slope between the last
@@ -594,7 +601,7 @@ def _toward_cap(cut, budgets, cap: int, lo: int, top: int, over, least: Callable
         if below is None and (target <= lo or stalled):
             floor = least()
             if floor[2].peak.step > cap:
-                return None
+                return None, None
             below_t, below = lo, floor
             fits.append(floor)
         if below is not None and (stalled or sides[-2:] == ["below", "below"]
@@ -615,10 +622,10 @@ def _toward_cap(cut, budgets, cap: int, lo: int, top: int, over, least: Callable
             above_t, above = target, result
             sides.append("above")
     if not fits:
-        return None
+        return None, None
     # the fastest that fits: the reruns that bring a plan under the cap cost time, so the largest
     # target that fits is not always the fastest plan
-    return min(fits, key=lambda r: (r[2].step_cost_s, r[2].peak.step))
+    return min(fits, key=lambda r: (r[2].step_cost_s, r[2].peak.step)), (above_t if above_t < top else None)
 
 
 def _overall(budgets, budget: Budget):
