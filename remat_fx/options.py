@@ -51,9 +51,10 @@ _DOC = {
     "blocks_alike": "plan repeated blocks (the ops of model.layers.0, model.layers.1, ...) alike, so that Inductor "
                     "compiles one set of kernels for them all, fewer to compile in the first step: a fraction "
                     "(True = 0.01) for every plan of a memory_budget or peak_budget, where that adds at most this "
-                    "fraction of the forward's estimated time in recompute; 'final' (default) for the plan a "
-                    "peak_budget's search chose under the Inductor lowering, solved again alike (up to 0.05) and "
-                    "kept where it fits the peak_budget and is not estimated slower; False: never (the fastest "
+                    "fraction of the forward's estimated time in recompute; 'final' (default) for a peak_budget "
+                    "under the Inductor lowering: the target its search chose and the smallest one it tried over "
+                    "the limit solved again alike (up to 0.05), the faster plan alike kept where it fits the "
+                    "peak_budget and is not estimated slower; False: never (the fastest "
                     "plans, blocks may differ)",
 }
 
