@@ -185,7 +185,7 @@ def _blocks_alike(value, what):
         return 0.01
     if value is False:
         return None
-    if isinstance(value, str) and value == "final":
+    if value == "final":
         return value
     if not isinstance(value, (int, float)) or not 0 <= value < 1:
         raise OptionError(f"{what} must be True, False, 'final' or the recompute it may add as a fraction of the "

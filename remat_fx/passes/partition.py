@@ -137,7 +137,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             envelope's bound); ``quick``: the partition without reruns (no rerun search), whose
             estimated peak the tie-break's walk compares (passes/peak.py lower_peak); ``alike``: the
             budget solved with repeated blocks alike, allowed that recompute (option blocks_alike's
-            fraction; passes/peak.py fit_peak's last step)."""
+            fraction; passes/peak.py _final_alike)."""
             key = (_budget_key(budgets), fastest_s, cap, quick, alike)
             if key not in cuts:
                 cuts[key] = solve(budgets, fastest_s, cap, quick, alike)
@@ -145,15 +145,16 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                 elapsed = time.perf_counter() - t0
                 if elapsed > _PROGRESS_S:
                     plan = cuts[key][2]
+                    note = (" (without reruns: the tie-break's walk)" if quick else
+                            "" if alike is None else
+                            " (repeated blocks alike)" if plan.budget and plan.budget.alike else
+                            " (asked for repeated blocks alike: none within the slack)")
                     log.info("remat_fx: planning a graph of %d nodes, %.1f s so far: plan %d, memory_budget %s, "
                              "saves %s, estimated peak %s, estimated step %.1f ms (%d reruns)%s",
                              len(joint_gm.graph.nodes), elapsed, len(cuts),
                              ", ".join(str(v) for v in budgets.values()) or "none",
                              fmt_bytes(plan.total_bytes), fmt_bytes(plan.peak.step), plan.step_cost_s * 1e3,
-                             plan.rerun.reruns if plan.rerun is not None else 0,
-                             " (without reruns: the tie-break's walk)" if quick else "" if alike is None else
-                             " (repeated blocks alike)" if plan.budget and plan.budget.alike else
-                             " (asked for repeated blocks alike: none within the slack)")
+                             plan.rerun.reruns if plan.rerun is not None else 0, note)
             return cuts[key]
 
         answers: dict = {}  # the budget solver's answer to one target, asked again with and without reruns
