@@ -195,8 +195,9 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--budgets", default="1,0.5,0.3,0.2,0.1,0")
     ap.add_argument("--torch-budgets", default=None, help="PyTorch's budgets (default: --budgets; '' for none)")
-    ap.add_argument("--monotone", default="nearest",
-                    help="remat's option monotone for its --budgets rows, comma-separated: nearest, grid or both")
+    ap.add_argument("--monotone", default="default",
+                    help="remat's option monotone for its --budgets rows, comma-separated: default (left out: 2 "
+                         "levels), a number of levels (1 = nearest), grid")
     ap.add_argument("--peak-fractions", default="0.5,0")
     ap.add_argument("--fit", default="0.6,0.4", help="remat.fit limits as fractions of eager's peak")
     ap.add_argument("--lower", default="inductor", choices=["inductor", "eager"])
@@ -253,9 +254,9 @@ def main():
         if b in torch_budgets:
             measure(f"PyTorch budget {b:g}", lambda m, b=b: torch.compile(m, backend=torch_budget.backend(b)))
         for mode in (v.strip() for v in args.monotone.split(",") if v.strip()):
-            measure(f"remat memory_budget {b:g}" + ("" if mode == "nearest" else f", monotone {mode}"),
+            measure(f"remat memory_budget {b:g}" + ("" if mode == "default" else f", monotone {mode}"),
                     lambda m, b=b, mode=mode: torch.compile(m, backend="remat", options={
-                        "memory_budget": b, "lower": args.lower, "monotone": mode}))
+                        "memory_budget": b, "lower": args.lower, **monotone_option(mode)}))
     for f in floats(args.peak_fractions):
         measure(f"remat peak_budget {f:g}", lambda m, f=f: torch.compile(
             m, backend="remat", options={"peak_budget": f, "lower": args.lower}))
@@ -298,6 +299,13 @@ def warm_up(device):
     torch._dynamo.reset()
 
 
+def monotone_option(mode: str) -> dict:
+    """A --monotone word as backend options: "default" leaves the option out (2 levels), a number is
+    that many levels, "nearest" (1) and "grid" are passed as they are."""
+    mode = mode.strip()
+    return {} if mode == "default" else {"monotone": int(mode) if mode.isdigit() else mode}
+
+
 def verdicts(rows):
     """The issue's targets, checked on this run's rows."""
     def pick(prefix):
@@ -307,7 +315,7 @@ def verdicts(rows):
         return float(r["variant"].split()[2].rstrip(","))
 
     torch_rows, remat_rows = pick("PyTorch budget"), pick("remat ")
-    by_mode: dict = {}  # "" (the default, monotone nearest) or "monotone grid" -> its budget rows, 1 -> 0
+    by_mode: dict = {}  # "" (option monotone left out) or "monotone grid", "monotone 1" -> its budget rows, 1 -> 0
     for r in sorted(pick("remat memory_budget"), key=lambda r: -budget(r)):
         by_mode.setdefault(r["variant"].partition(", ")[2], []).append(r)
     out = []

@@ -1,7 +1,7 @@
 """Planning alone: where remat's partition spends its time, on the joint graph of an 8-layer
 Hugging Face Llama (benchmarks/gpu.py's model by default), without lowering anything (CPU).
 
-    python benchmarks/planning.py [--budgets 0.1,0.05,0] [--monotone nearest[,grid]]
+    python benchmarks/planning.py [--budgets 0.1,0.05,0] [--monotone default[,1,grid]]
                                   [--layers 8] [--hidden 128] [--intermediate 352] [--heads 1] [--vocab 1000]
                                   [--seq 256] [--batch 4] [--lower inductor|eager] [--repeat 1] [--out FILE]
 
@@ -42,6 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import remat_fx as remat  # noqa: E402
+from benchmarks.gpu import monotone_option  # noqa: E402
 from benchmarks.llama_depth import add_shape_args, build  # noqa: E402
 from remat_fx.memory_budget import fmt_bytes  # noqa: E402
 from remat_fx.options import parse_options  # noqa: E402
@@ -99,7 +100,7 @@ def variant_options(spec: str, monotone: str, lower: str) -> dict:
         budget = float(spec)
     except ValueError:
         budget = spec
-    return {"lower": lower, "monotone": monotone, "memory_budget": budget}
+    return {"lower": lower, **monotone_option(monotone), "memory_budget": budget}
 
 
 def plan_once(graphs, options: dict, timers: Timers) -> dict:
@@ -133,7 +134,8 @@ HEAD = ("| variant | planning s | min-cut (calls / s) | solver | rerun | of whic
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", default="0.1,0.05,0")
-    p.add_argument("--monotone", default="nearest", help="comma-separated: nearest, grid")
+    p.add_argument("--monotone", default="default",
+                   help="comma-separated: default (left out: 2 levels), a number of levels (1 = nearest), grid")
     p.add_argument("--lower", default="inductor", choices=("inductor", "eager"))
     add_shape_args(p, intermediate=352, heads=1)  # benchmarks/gpu.py's Llama
     p.add_argument("--repeat", type=int, default=1, help="plan each variant this many times, keep the fastest")
@@ -158,7 +160,7 @@ def main(argv=None) -> str:
                 runs = [plan_once(graphs, variant_options(spec, monotone, args.lower), timers)
                         for _ in range(max(1, args.repeat))]
                 best = min(runs, key=lambda r: r["total"])
-                label = spec if monotone == "nearest" else f"{spec}, monotone={monotone}"
+                label = spec if monotone == "default" else f"{spec}, monotone={monotone}"
                 rows.append(row(label, best))
                 print(rows[-1], flush=True)
     text = (f"{args.layers}-layer Llama (hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} head(s), "

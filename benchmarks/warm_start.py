@@ -12,7 +12,7 @@ each graph's plan from its record (docs/compiler.md#the-plan-cache). A first ste
 to lower; until 2026-11-29 the clock started after ``torch.compile``, which left PyTorch's import
 out of its first step and counted remat's.
 
-    python benchmarks/warm_start.py --budgets 0.3,0.1,7MiB,peak=24MiB --monotone nearest,grid
+    python benchmarks/warm_start.py --budgets 0.3,0.1,7MiB,peak=24MiB --monotone default,grid
 
 A second table splits each first process's first step: remat's planning, Inductor's lowering
 (``compile_fx_inner``, forward and backward, from Dynamo's ``compile_times``) and, inside it, the
@@ -55,7 +55,7 @@ def child(args) -> None:
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(args.threads)
     import remat_fx as remat
-    from benchmarks.gpu import build
+    from benchmarks.gpu import build, monotone_option
 
     args.device = torch.device(args.device)
     model, ids = build(args)
@@ -66,7 +66,7 @@ def child(args) -> None:
         fn = torch.compile(model)
     else:
         knob, value = _knob(args.budget)
-        options = {knob: value, "monotone": args.mode, **json.loads(args.options)}
+        options = {knob: value, **monotone_option(args.mode), **json.loads(args.options)}
         if args.alike != "default":
             options["blocks_alike"] = False if args.alike == "off" else \
                 "final" if args.alike == "final" else float(args.alike)
@@ -147,7 +147,8 @@ def model_arguments(ap: argparse.ArgumentParser) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", default="0.3,0.1")
-    ap.add_argument("--monotone", default="nearest,grid")
+    ap.add_argument("--monotone", default="default,grid",
+                    help="option monotone, comma-separated: default (left out: 2 levels), a number of levels, grid")
     model_arguments(ap)
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--first-only", action="store_true", help="the first process alone (the phases table)")
@@ -160,7 +161,7 @@ def main() -> None:
     ap.add_argument("--options", default="{}", help="more options for remat's variants, as JSON")
     ap.add_argument("--child", default=None, choices=["torch", "remat"], help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=_budget, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--mode", default="nearest", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="default", help=argparse.SUPPRESS)
     ap.add_argument("--alike", default="default", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.model = "llama"

@@ -17,7 +17,7 @@ from remat_fx.naming import NameGlobs
 from remat_fx.roofline import COST_MODELS, Roofline, parse_roofline
 
 LOWERINGS = ("inductor", "eager")
-MONOTONE = ("nearest", "grid")
+MONOTONE = ("nearest", "grid")  # and an int: the levels of the grid the envelope holds in turn ("nearest" = 1)
 SOLVERS = ("ilp", "greedy")
 
 _DOC = {
@@ -45,9 +45,10 @@ _DOC = {
                   "saving less than the budget allows (default 0.03; 0 = the fastest plan, no reruns). At the "
                   "minimum (budget 0) and with a peak_budget the reruns are not limited by time",
     "monotone": "with peak_slack > 0, how a memory_budget's estimated peak is held at or under larger budgets': "
-                "'nearest' (default) against the plan of the nearest target above it on a grid of the feasible "
-                "range; 'grid' against that target's own held plan, and so on up the grid, so that the estimated "
-                "peak never rises as the budget falls across the grid's targets (planning takes 2-4x longer)",
+                "an int k: against the plan of the nearest target above it on a grid of the feasible range, itself held "
+                "under the next target above, and so on, k levels up (default 2; 'nearest' = 1: that target's "
+                "plan as it is); 'grid': every level up to the top, so that the estimated peak never rises "
+                "as the budget falls across the grid's targets (planning takes 2-4x longer)",
     "blocks_alike": "plan repeated blocks (the ops of model.layers.0, model.layers.1, ...) alike, so that Inductor "
                     "compiles one set of kernels for them all, fewer to compile in the first step: a fraction "
                     "(True = 0.01) for every plan of a memory_budget or peak_budget, where that adds at most this "
@@ -68,7 +69,7 @@ class BackendOptions:
     schedule: bool = True
     rerun: object = "auto"  # "auto", True or False
     peak_slack: float = 0.03
-    monotone: str = "nearest"  # MONOTONE: the envelope's bound, the nearest grid target's plan or its envelope
+    monotone: Union[int, str] = 2  # levels of the grid the envelope holds in turn (int), or "grid": all
     memory_budget: Optional[Budget] = None
     peak_budget: Optional[int] = None  # this graph's own cap in bytes (remat_fx/step.py sets it per graph)
     peak_fraction: Optional[float] = None  # a fraction peak_budget, resolved by this graph against its own range
@@ -149,6 +150,21 @@ def _one_of(choices):
     return check
 
 
+def _monotone(value, what):
+    """'nearest' -> 1, an int >= 1 as it is, 'grid'."""
+    if value == "nearest":
+        return 1
+    if value == "grid" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise OptionError(f"{what} must be an int >= 1 (the levels of the grid held in turn; default 2), 'nearest' (1) "
+                      f"or 'grid', got {value!r}{did_you_mean(value, MONOTONE) if isinstance(value, str) else ''}")
+
+
+def monotone_levels(monotone) -> Optional[int]:
+    """The levels of the grid option ``monotone`` holds in turn; None: all of them ('grid')."""
+    return None if monotone == "grid" else monotone
+
+
 def _budget(value, what):
     try:
         return parse_budget(value, what)
@@ -216,7 +232,7 @@ def _globs(value, what):
 _CHECKS = {
     "save": _globs, "recompute": _globs, "lower": _one_of(LOWERINGS), "report": _bool,
     "schedule": _bool, "rerun": _rerun, "peak_slack": _peak_slack, "memory_budget": _budget,
-    "monotone": _one_of(MONOTONE),
+    "monotone": _monotone,
     "peak_budget": _peak_budget, "cost_model": _one_of(COST_MODELS), "roofline": _roofline,
     "solver": _one_of(SOLVERS), "solver_time_limit": _time_limit,
     "blocks_alike": _blocks_alike,

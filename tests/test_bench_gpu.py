@@ -24,7 +24,7 @@ def test_per_layer_checkpointing_row_checkpoints_without_a_deprecated_call(model
 
 
 def test_verdicts_check_each_monotone_mode_on_its_own_rows():
-    """--monotone nearest,grid measures both modes per budget: each mode's rows are checked for a
+    """--monotone default,grid measures both modes per budget: each mode's rows are checked for a
     peak that does not rise as the budget falls, and PyTorch's first step is compared with the
     default mode's row at its budget."""
     mib = 2**20

@@ -77,4 +77,4 @@ def test_planning_benchmark_refuses_a_peak_budget_before_it_compiles(monkeypatch
     with pytest.raises(SystemExit, match="'peak=24MiB': a peak_budget is planned for the whole step"):
         planning.main(ARGS + ["--budgets", "0.1,peak=24MiB"])
     with pytest.raises(OptionError, match="monotone"):  # the options' own errors, before the compile too
-        planning.main(ARGS + ["--budgets", "0.1", "--monotone", "nearest,grd"])
+        planning.main(ARGS + ["--budgets", "0.1", "--monotone", "default,grd"])

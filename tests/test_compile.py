@@ -33,7 +33,10 @@ def _compile(fn, **options):
      r"peak_slack is 0: the budget's fastest plan is kept, with no envelope; drop monotone, or give a memory_budget"),
     ({"monotone": "grid", "memory_budget": 0.3, "peak_budget": "1MiB"}, r"and a peak_budget is set: the plan is the "
                                                                          r"fastest under that peak instead"),
-    ({"monotone": "grids"}, r"option 'monotone' must be one of \['nearest', 'grid'\], got 'grids' \(did you mean 'grid'\?\)"),
+    ({"monotone": "grids"}, r"option 'monotone' must be an int >= 1 \(the levels of the grid held in turn; default 2\), "
+                            r"'nearest' \(1\) or 'grid', got 'grids' \(did you mean 'grid'\?\)"),
+    ({"monotone": 0}, r"option 'monotone' must be an int >= 1 .*, got 0\b"),
+    ({"monotone": True}, r"option 'monotone' must be an int >= 1 .*, got True\b"),
 ])
 def test_bad_options_are_rejected(options, message):
     """Raised as remat's own error (a ValueError), which Dynamo passes on unwrapped: no
@@ -44,11 +47,14 @@ def test_bad_options_are_rejected(options, message):
 
 
 def test_monotone_grid_needs_no_memory_budget_of_its_own():
-    """remat.fit gives the step's graphs their memory budget: monotone='grid' is kept for those plans."""
+    """remat.fit gives the step's graphs their memory budget: monotone='grid' is kept for those plans.
+    The levels: 2 by default, 'nearest' is 1."""
     from remat_fx.options import parse_options
 
     assert parse_options({"monotone": "grid"}).monotone == "grid"
-    assert parse_options({}).monotone == "nearest"
+    assert parse_options({}).monotone == 2
+    assert parse_options({"monotone": "nearest"}).monotone == 1
+    assert parse_options({"monotone": 3}).monotone == 3
 
 
 def test_backend_registered_by_entry_point():

@@ -727,7 +727,8 @@ def test_fsdp2_with_a_bf16_mixed_precision_policy():
     """FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, each block
     compiled with backend="remat": per rank, every budget gives the gradients of the same compiled
     model without a budget, and those of eager FSDP2 under the policy to bf16's precision; each
-    block's plan saves bf16 activations (and the LayerNorm's fp32 statistics), within its budget,
+    block's plan saves bf16 activations (and the LayerNorm's fp32 statistics, or at 0.3 the fp32
+    upcast of its input, which the plan held under budget 0.4's peak keeps), within its budget,
     half the bytes the same blocks save in fp32 without a budget. The eager runtime's regions,
     inside the blocks and around them, give the gradients of the run without regions under the
     policy, dropout included, bit for bit."""
@@ -739,8 +740,11 @@ def test_fsdp2_with_a_bf16_mixed_precision_policy():
         for label, res in r["results"].items():
             assert grad_error(res["grads"], plain["grads"]) < 1e-6, (where, label)
             for saved, target, values in res["plans"]:
-                # bf16, but for the LayerNorm's statistics (one fp32 per token: its accumulation type)
-                assert all(dtype == "torch.bfloat16" or (name.startswith("ln.") and nbytes <= B * T * 4)
+                # bf16, but for the LayerNorm's fp32 work (its accumulation type): its statistics (one
+                # fp32 per token), and the upcast of its input, which a plan held under a larger
+                # budget's peak (the monotone envelope) may keep rather than recompute
+                assert all(dtype == "torch.bfloat16" or (name.startswith("ln.") and nbytes in (B * T * 4,
+                                                                                               B * T * D * 4))
                            for dtype, name, nbytes in values), (where, label, values)
                 assert target is None or saved <= target, (where, label, saved, target)
         # the policy halves what each block saves without a budget; at budget 0 a block saves its

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 from remat_fx import plan_cache
 from remat_fx.fresh_stack import on_fresh_stack
 from remat_fx.memory_budget import fmt_bytes
-from remat_fx.options import BackendOptions, RematError
+from remat_fx.options import BackendOptions, RematError, monotone_levels
 from remat_fx.passes.budget import apply_budget, budgets_of
 from remat_fx.passes.capture import is_random, read_joint
 from remat_fx.passes.cost import CostModel, node_device
@@ -221,7 +221,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         elif found is None:
             chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
             found = chosen if options.peak_slack <= 0 else \
-                monotone_peak(cut, budgets, chosen, options.peak_slack, whole_grid=options.monotone == "grid")
+                monotone_peak(cut, budgets, chosen, options.peak_slack, monotone_levels(options.monotone))
         found[2].peak_evaluations = len(cuts)  # the partitions the search made (1: the plan cache's replay)
         fw, bw, plan, tags = found
         if entry is not None and not plan.from_cache and id(found) in asked:

@@ -703,9 +703,9 @@ def lower_peak(cut, budgets, first, slack: float):
     return best
 
 
-def monotone_peak(cut, budgets, chosen, slack: float, whole_grid: bool = False):
+def monotone_peak(cut, budgets, chosen, slack: float, levels: Optional[int] = 2):
     """The monotone envelope of a memory budget: a smaller budget must not give a higher estimated
-    peak than a larger one. ``chosen`` (lower_peak's plan) is compared with lower_peak's plan at the
+    peak than a larger one. ``chosen`` (lower_peak's plan) is compared with the plan of the
     saved-bytes target of ``_GRID`` (fractions of the feasible range) just above the budget's, as
     that budget would plan it: when it has a lower estimated peak (the bound), the budget's fastest
     partition takes reruns down to the bound whatever their time; if they cannot reach it, the plan
@@ -714,22 +714,24 @@ def monotone_peak(cut, budgets, chosen, slack: float, whole_grid: bool = False):
     lowest-peak one. (Taking the feasible minimum's plan, the least peak, whenever the reruns missed
     put budget 0.3 of a wide 8-layer Llama at 47.90 MiB, under 0.15's 64.51; it now takes a grid
     target's under it, 76.51 MiB.) The budget's saved bytes are never exceeded. At the feasible
-    minimum nothing else fits, and at the top of the grid nothing is above. Only the nearest target
-    is compared (it costs one to five partitions, each with a rerun search; measured: 0.1's planning 6.2 -> 10.5 s), as the peaks
-    swing most between neighbours: an 8-layer Llama's budgets 0.1, 0.15 and 0.2 estimated 18.6,
-    13.9 and 16.4 MiB, and when 0.1 was compared with 0.3 and 0.5 it kept its 18.6 (measured 19.8
-    against 0.15's 16.7); it now estimates 13.8. ``cut(budgets, fastest_s, cap)`` returns (fw, bw,
-    plan, tags) and caches by its arguments, so a target solved for one comparison is not solved
-    again. ``whole_grid`` (option monotone="grid"): the bound is the nearby target's own envelope,
-    made the same way up to the top of the grid, so that down the grid's targets the estimated peak
-    never rises (each compile then plans every grid target above its budget: planning 2-4x longer,
-    docs/budgets.md)."""
-    return _envelope(cut, budgets, chosen, slack, len(_GRID) if whole_grid else 1)
+    minimum nothing else fits, and at the top of the grid nothing is above.
+
+    ``levels`` (option monotone): the nearby target's plan is itself held the same way under the
+    target above it, ``levels`` targets up in all (1: lower_peak's plan of the nearest target as it
+    is; None, monotone="grid": every target up to the top of the grid, so that down the grid's
+    targets the estimated peak never rises, at 2-4x the planning). Each level costs one to five
+    partitions, each with a rerun search. The default, 2, holds the nearest target under the next
+    one: with 1, an 8-layer Llama's budget 0.05 was compared with 0.1's first plan (22.27 MiB) and
+    kept 22.27 MiB where 0.1's own compile held it at 21.27 MiB under 0.15's (docs/budgets.md).
+    ``cut(budgets, fastest_s, cap)`` returns (fw, bw, plan, tags) and caches by its arguments, so a
+    target solved for one comparison is not solved again."""
+    return _envelope(cut, budgets, chosen, slack, len(_GRID) if levels is None else levels, levels is None)
 
 
-def _envelope(cut, budgets, chosen, slack: float, depth: int):
+def _envelope(cut, budgets, chosen, slack: float, depth: int, whole_grid: bool):
     """monotone_peak's plan for ``budgets`` (``chosen``: lower_peak's), its bound the nearby grid
-    target's plan held by its own envelope ``depth - 1`` levels up (0: ``chosen`` as it is)."""
+    target's plan held by its own envelope ``depth - 1`` levels up (0: ``chosen`` as it is);
+    ``whole_grid``: that is every level up to the top (the report says the bound was final)."""
     plan = chosen[2]
     report = plan.budget
     if depth <= 0 or None not in budgets or report is None or report.solver == "none" or \
@@ -745,7 +747,8 @@ def _envelope(cut, budgets, chosen, slack: float, depth: int):
         return chosen
     near = min(above)
     nearby = _overall(budgets, Budget(nbytes=near))
-    bound = _envelope(cut, nearby, lower_peak(cut, nearby, cut(nearby), slack), slack, depth - 1)[2].peak.step
+    bound = _envelope(cut, nearby, lower_peak(cut, nearby, cut(nearby), slack), slack, depth - 1,
+                      whole_grid)[2].peak.step
     if plan.peak.step <= bound:
         return chosen
     best = cut(budgets, None, bound)
@@ -774,6 +777,7 @@ def _envelope(cut, budgets, chosen, slack: float, depth: int):
     picked.fastest_peak = report.fastest_peak if report.lowered_to is not None else plan.peak.step
     picked.fastest_step_s = report.fastest_step_s if report.lowered_to is not None else plan.step_cost_s
     picked.solve_seconds = solve_s
-    picked.held_under, picked.held_met, picked.held_final = bound, best[2].peak.step <= bound, depth > 1
+    picked.held_under, picked.held_met, picked.held_final = bound, best[2].peak.step <= bound, whole_grid
+    picked.held_levels = depth
     picked.held_by = f"{fraction[near]:g}"
     return best

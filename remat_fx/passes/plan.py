@@ -72,7 +72,9 @@ class BudgetReport:
     held_under: Optional[int] = None
     held_by: str = ""
     held_met: bool = True
-    held_final: bool = True  # the bound was that budget's final plan (monotone="grid"), not its first one
+    held_final: bool = True  # the bound was that budget's final plan (monotone="grid")
+    held_levels: int = 1  # else the grid targets its bound was made from: 1, that budget's first plan; 2, that
+    # plan held under the next target's; ... (option monotone)
     alike: int = 0  # classes of ops alike across repeated blocks that the solver decided alike (passes/budget.py)
 
     def __str__(self) -> str:
@@ -96,7 +98,9 @@ class BudgetReport:
         if self.held_under is not None:
             text += (f": held {'at or under' if self.held_met else 'as near as it could get to'} "
                      f"{fmt_bytes(self.held_under)}, the estimated peak of budget {self.held_by}'s "
-                     + ("plan" if self.held_final else "first plan (before its own envelope)"))
+                     + ("plan" if self.held_final else "first plan (before its own envelope)" if self.held_levels <= 1
+                        else "plan held under the next grid target's" if self.held_levels == 2 else
+                        f"plan held in turn under the {self.held_levels - 1} grid targets above it"))
             if self.lowered_to is not None and self.lowered_to < self.target:
                 text += f", solved at a lower target, {fmt_bytes(self.lowered_to)}"
             text += f" (the monotone envelope; {fastest})"
