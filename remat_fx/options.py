@@ -157,7 +157,7 @@ def _monotone(value, what):
     if value == "grid" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
     raise OptionError(f"{what} must be an int >= 1 (the levels of the grid held in turn; default 2), 'nearest' (1) "
-                      f"or 'grid', got {value!r}{did_you_mean(value, MONOTONE) if isinstance(value, str) else ''}")
+                      f"or 'grid', got {value!r}{did_you_mean(value, MONOTONE)}")
 
 
 def monotone_levels(monotone) -> Optional[int]:

@@ -40,7 +40,7 @@ _PACKAGE = pathlib.Path(__file__).resolve().parent
 _TAG_META = ("nn_module_stack", "custom", "recompute", "ac_graph_id")  # what passes/tag.py and naming read
 # the search's notes on the chosen plan's budget report (passes/peak.py lower_peak, _envelope)
 REPORT_NOTES = ("budget", "target", "lowered_to", "fastest_peak", "fastest_step_s", "held_under", "held_by",
-                "held_met", "held_final", "held_levels")
+                "held_met", "held_levels")
 _FIELDS = {"budgets", "fastest_s", "cap", "quick", "alike", "peak_budget", "report", "saved", "peak"}
 
 

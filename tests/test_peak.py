@@ -1115,7 +1115,7 @@ def test_monotone_envelope_holds_the_nearby_target_under_the_ones_above_it_optio
         assert found is chosen and report.held_under is None
     else:
         assert (report.held_under, report.held_by, report.held_met) == (peak, "0.1", True)
-        assert report.held_final == (levels is None) and report.held_levels == (levels or len(P._GRID))
+        assert report.held_final == (levels is None) and report.held_levels == levels
         said = {2: "plan held under the next grid target's", 3: "plan held in turn under the 2 grid targets above it",
                 None: "plan"}[levels]
         assert f"held at or under {fmt_bytes(peak)}, the estimated peak of budget 0.1's {said} (the monotone " \

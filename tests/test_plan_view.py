@@ -94,7 +94,7 @@ def test_tensors_sharing_a_name_share_a_row_with_a_count():
      "est. recompute 0.600 ms"),
     (BudgetReport("0.1", 16 * KiB, 10 * KiB, KiB, 150 * KiB, "ilp", 0.2, 6e-4, lowered_to=12 * KiB,
                   fastest_peak=193 * KiB, fastest_step_s=0.0033, held_under=158 * KiB, held_by="0.15",
-                  held_met=False, held_final=False),
+                  held_met=False, held_levels=1),
      "budget 0.1: target 16.00 KiB (0.1 of the way from the feasible minimum 1.00 KiB to the maximum 150.00 KiB), "
      "achieved 10.00 KiB: held as near as it could get to 158.00 KiB, the estimated peak of budget 0.15's first "
      "plan (before its own envelope), solved at a lower target, 12.00 KiB (the monotone envelope; the fastest plan "

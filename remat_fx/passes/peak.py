@@ -725,16 +725,16 @@ def monotone_peak(cut, budgets, chosen, slack: float, levels: Optional[int] = 2)
     kept 22.27 MiB where 0.1's own compile held it at 21.27 MiB under 0.15's (docs/budgets.md).
     ``cut(budgets, fastest_s, cap)`` returns (fw, bw, plan, tags) and caches by its arguments, so a
     target solved for one comparison is not solved again."""
-    return _envelope(cut, budgets, chosen, slack, len(_GRID) if levels is None else levels, levels is None)
+    return _envelope(cut, budgets, chosen, slack, levels)
 
 
-def _envelope(cut, budgets, chosen, slack: float, depth: int, whole_grid: bool):
+def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int]):
     """monotone_peak's plan for ``budgets`` (``chosen``: lower_peak's), its bound the nearby grid
-    target's plan held by its own envelope ``depth - 1`` levels up (0: ``chosen`` as it is);
-    ``whole_grid``: that is every level up to the top (the report says the bound was final)."""
+    target's plan held by its own envelope ``depth - 1`` levels up (0: ``chosen`` as it is; None:
+    every level up to the top of the grid)."""
     plan = chosen[2]
     report = plan.budget
-    if depth <= 0 or None not in budgets or report is None or report.solver == "none" or \
+    if depth == 0 or None not in budgets or report is None or report.solver == "none" or \
             report.target <= report.minimum:
         return chosen
     lo, hi = report.minimum, report.maximum
@@ -747,8 +747,8 @@ def _envelope(cut, budgets, chosen, slack: float, depth: int, whole_grid: bool):
         return chosen
     near = min(above)
     nearby = _overall(budgets, Budget(nbytes=near))
-    bound = _envelope(cut, nearby, lower_peak(cut, nearby, cut(nearby), slack), slack, depth - 1,
-                      whole_grid)[2].peak.step
+    bound = _envelope(cut, nearby, lower_peak(cut, nearby, cut(nearby), slack), slack,
+                      None if depth is None else depth - 1)[2].peak.step
     if plan.peak.step <= bound:
         return chosen
     best = cut(budgets, None, bound)
@@ -777,7 +777,6 @@ def _envelope(cut, budgets, chosen, slack: float, depth: int, whole_grid: bool):
     picked.fastest_peak = report.fastest_peak if report.lowered_to is not None else plan.peak.step
     picked.fastest_step_s = report.fastest_step_s if report.lowered_to is not None else plan.step_cost_s
     picked.solve_seconds = solve_s
-    picked.held_under, picked.held_met, picked.held_final = bound, best[2].peak.step <= bound, whole_grid
-    picked.held_levels = depth
+    picked.held_under, picked.held_met, picked.held_levels = bound, best[2].peak.step <= bound, depth
     picked.held_by = f"{fraction[near]:g}"
     return best

@@ -72,10 +72,15 @@ class BudgetReport:
     held_under: Optional[int] = None
     held_by: str = ""
     held_met: bool = True
-    held_final: bool = True  # the bound was that budget's final plan (monotone="grid")
-    held_levels: int = 1  # else the grid targets its bound was made from: 1, that budget's first plan; 2, that
-    # plan held under the next target's; ... (option monotone)
+    # the grid targets its bound was made from (option monotone): 1, that budget's first plan; 2, that
+    # plan held under the next target's; ...; None, every target up the grid (that budget's final plan)
+    held_levels: Optional[int] = None
     alike: int = 0  # classes of ops alike across repeated blocks that the solver decided alike (passes/budget.py)
+
+    @property
+    def held_final(self) -> bool:
+        """The bound was that budget's final plan (monotone="grid")."""
+        return self.held_levels is None
 
     def __str__(self) -> str:
         """Target, achieved, the feasible range, and why achieved is below the target when the plan
