@@ -43,7 +43,9 @@ _DOC = {
     "peak_slack": "with a memory_budget above its feasible minimum, the fraction of the fastest plan's "
                   "estimated step time that may be spent to lower the step's estimated peak: by reruns and by "
                   "saving less than the budget allows (default 0.03; 0 = the fastest plan, no reruns). At the "
-                  "minimum (budget 0) and with a peak_budget the reruns are not limited by time",
+                  "minimum (budget 0) the reruns may take up to per-layer checkpointing's estimated step, and then "
+                  "as long as it takes to hold the peak at or under budget 0.05's plan (with peak_slack 0: the least "
+                  "peak they find); with a peak_budget they are not limited by time",
     "monotone": "with peak_slack > 0, how a memory_budget's estimated peak is held at or under larger budgets': "
                 "an int k: against the plan of the nearest target above it on a grid of the feasible range, itself held "
                 "under the next target above, and so on, k levels up (default 2; 'nearest' = 1: that target's "
@@ -74,6 +76,9 @@ class BackendOptions:
     peak_budget: Optional[int] = None  # this graph's own cap in bytes (remat_fx/step.py sets it per graph)
     peak_fraction: Optional[float] = None  # a fraction peak_budget, resolved by this graph against its own range
     step_peak: object = None  # the whole-step peak_budget as given: a Budget, "auto" or None
+    least_peak: bool = False  # not a user option: memory budget 0 gets the least peak the reruns find, at any
+    # time (remat_fx/step.py's shared budget 0, the low end of whole-step limits), not one held in per-layer
+    # checkpointing's time under budget 0.05's peak
     cost_model: str = "auto"
     roofline: Optional[Roofline] = None
     solver: str = "ilp"
@@ -88,7 +93,7 @@ class BackendOptions:
     def key(self) -> tuple:
         """What changes the compiled result (for Inductor's cache)."""
         return (self.save, self.recompute, self.lower, self.schedule, self.rerun, self.peak_slack, self.monotone,
-                repr(self.memory_budget), self.peak_budget, self.peak_fraction, repr(self.step_peak),
+                repr(self.memory_budget), self.peak_budget, self.peak_fraction, repr(self.step_peak), self.least_peak,
                 self.cost_model, self.roofline, self.solver, self.solver_time_limit, self.blocks_alike)
 
 

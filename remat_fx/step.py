@@ -959,13 +959,16 @@ class StepPlan:
 
 def shared_options(options: BackendOptions, fraction: Optional[float]) -> BackendOptions:
     """``options`` with one shared memory budget for every graph of the step (None: the user's
-    memory budget if it is a fraction, else none) and the whole-step limits taken off."""
+    memory budget if it is a fraction, else none) and the whole-step limits taken off; at 0, the
+    least peak each graph's reruns find (option ``least_peak``)."""
     if fraction is not None:
         budget = Budget(fraction=fraction)
     else:
         user = options.memory_budget
         budget = user if user is not None and user.nbytes is None else None
-    return dataclasses.replace(options, memory_budget=budget, peak_budget=None, peak_fraction=None, step_peak=None)
+    # the shared budget 0 is the step's least peak (the low end of a whole-step limit), whatever its time
+    return dataclasses.replace(options, memory_budget=budget, peak_budget=None, peak_fraction=None, step_peak=None,
+                               least_peak=fraction == 0.0)
 
 
 def candidates(options: BackendOptions) -> List[Optional[float]]:

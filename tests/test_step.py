@@ -254,13 +254,18 @@ def test_a_settled_step_records_only_its_calls_and_reports_as_the_step_recorded_
     assert settled.released is not None and len(settled.calls) >= 2
     graph = STEP.last[0]
     graph.relower(graph.active)
-    kinds = []
+    kinds, reports = [], []
     for _ in range(3):
         step()
         kinds.append({type(io) for io in STEP.last_io})
+        reports.append(remat.step_report())
     assert kinds == [{CallIO, _Light}, {CallIO}, {_Light}], kinds
-    again = remat.step_report()
-    assert (again.peak, again.released, again.later) == (settled.peak, settled.released, settled.later)
+    whole, again = reports[1:]  # recorded whole after the relowering, then settled
+    assert (again.peak, again.released, again.later) == (whole.peak, whole.released, whole.later)
+    # the same step peak as before the relowering; the positions elsewhere may differ: the first
+    # compile's backward dropped the reruns the step did not need (passes/lower.py _shortened),
+    # the relowered one, compiled before the step was recorded again, keeps them
+    assert (again.peak.peak, again.peak.call, again.released) == (settled.peak.peak, settled.peak.call, settled.released)
     want_model, want_step = make()
     want_step()
     for a, b in zip(_grads(model), _grads(want_model)):

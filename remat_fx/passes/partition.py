@@ -112,10 +112,23 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         fw, bw, plan = parts[key]
         return fw, bw, copy.copy(plan)
 
-    def finish(fw, bw, plan, budgeted, fastest_s, cap=None, quick=False):
+    checkpointed: list = []  # per-layer checkpointing's estimated step, made once
+
+    def checkpointed_s() -> float:
+        """The cost model's step of per-layer checkpointing, the time budget 0 may take: the plan
+        without a budget and the forward once more (a bound: the blocks' forward, and the head's)."""
+        if not checkpointed:
+            _, _, unbudgeted = partitioned(None, lambda: (fw0, bw0, copy.copy(plan0)))
+            checkpointed.append(unbudgeted.step_cost_s +
+                                sum(cost(n) for n in fw0.graph.nodes if n.op == "call_function"))
+        return checkpointed[0]
+
+    def finish(fw, bw, plan, budgeted, fastest_s, cap=None, quick=False, least=False):
         if not quick and (options.rerun is True or (options.rerun == "auto" and budgeted)):
             bw = _rerun(fw, bw, plan, num_fwd_outputs, cost, options.peak_budget if cap is None else cap,
-                        _rerun_allowance(plan, fastest_s, options) if cap is None else None)
+                        None if cap is not None or least else
+                        _rerun_allowance(plan, fastest_s, options, checkpointed_s),
+                        options.peak_budget is None)  # the envelope's cap may be shortened, a byte peak_budget's not
         plan.peak = estimate_peak(fw, bw, num_fwd_outputs, inline=options.lower == "inductor")
         return fw, bw, plan
 
@@ -129,7 +142,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         asked: dict = {}  # the arguments of each (the plan cache records the chosen one's)
         by_tags: dict = {}  # and finishes one set of tags once per allowance, cap and quick
 
-        def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None):
+        def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None, least=False):
             """(fw, bw, plan, tags) meeting ``budgets`` ({} = the plan without a budget); ``fastest_s``:
             the estimated step time of the fastest plan under the user's budget, without reruns (None:
             this is that plan), from which the time allowed to lower the peak is counted; ``cap``: an
@@ -137,11 +150,13 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             envelope's bound); ``quick``: the partition without reruns (no rerun search), whose
             estimated peak the tie-break's walk compares (passes/peak.py lower_peak); ``alike``: the
             budget solved with repeated blocks alike, allowed that recompute (option blocks_alike's
-            fraction; passes/peak.py _final_alike)."""
-            key = (_budget_key(budgets), fastest_s, cap, quick, alike)
+            fraction; passes/peak.py _final_alike); ``least``: the reruns for the lowest peak they find,
+            whatever their time (at budget 0, what option least_peak asks for; passes/peak.py
+            _envelope's last resort)."""
+            key = (_budget_key(budgets), fastest_s, cap, quick, alike, least)
             if key not in cuts:
-                cuts[key] = solve(budgets, fastest_s, cap, quick, alike)
-                asked[id(cuts[key])] = (budgets, fastest_s, cap, quick, alike)
+                cuts[key] = solve(budgets, fastest_s, cap, quick, alike, least)
+                asked[id(cuts[key])] = (budgets, fastest_s, cap, quick, alike, least)
                 elapsed = time.perf_counter() - t0
                 if elapsed > _PROGRESS_S:
                     plan = cuts[key][2]
@@ -171,16 +186,16 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             new_tags, report, written = answers[key]
             return new_tags, copy.copy(report), written
 
-        def solve(budgets, fastest_s, cap, quick, alike):
+        def solve(budgets, fastest_s, cap, quick, alike, least):
             if not budgets:
                 _write_tags(joint_gm, tags)
                 fw, bw, plan = partitioned(None, lambda: (fw0, bw0, copy.copy(plan0)))
-                return (*finish(fw, bw, plan, _peak_budgeted(options), fastest_s, cap, quick), tags)
+                return (*finish(fw, bw, plan, _peak_budgeted(options), fastest_s, cap, quick, least), tags)
             new_tags, report, written = solved(budgets, alike)
             # the solver often gives several targets the same tags (the peak searches' targets
             # between two plans' saved bytes): the same tags make the same partition and reruns
             chosen = frozenset((n.name, t.policy) for n, t in new_tags.items())
-            same = (chosen, fastest_s, cap, quick, report.solver == "none", report.target <= report.minimum)
+            same = (chosen, fastest_s, cap, quick, least, report.solver == "none", report.target <= report.minimum)
             if same in by_tags:
                 fw, bw, done, recompute_s = by_tags[same]
                 plan = copy.copy(done)
@@ -206,7 +221,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             report.estimated_cost_s = plan.recompute_cost_s
             _check_achieved(report, plan, joint, params)
             plan.budget = report
-            fw, bw, plan = finish(fw, bw, plan, True, fastest_s, cap, quick)
+            fw, bw, plan = finish(fw, bw, plan, True, fastest_s, cap, quick, least)
             by_tags[same] = (fw, bw, plan, report.estimated_cost_s)
             return fw, bw, plan, new_tags
 
@@ -220,7 +235,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                              else None)
         elif found is None:
             chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
-            found = chosen if options.peak_slack <= 0 else \
+            found = chosen if options.peak_slack <= 0 or options.least_peak else \
                 monotone_peak(cut, budgets, chosen, options.peak_slack, monotone_levels(options.monotone))
         found[2].peak_evaluations = len(cuts)  # the partitions the search made (1: the plan cache's replay)
         fw, bw, plan, tags = found
@@ -242,7 +257,8 @@ def _replay(cut, entry):
     if record is None:
         return None
     try:
-        found = cut(record["budgets"], record["fastest_s"], record["cap"], record["quick"], record["alike"])
+        found = cut(record["budgets"], record["fastest_s"], record["cap"], record["quick"], record["alike"],
+                    record["least"])
     except RematError:
         return None  # a budget this graph can no longer meet: the search says why
     plan = found[2]
@@ -280,30 +296,37 @@ def _peak_budgeted(options: BackendOptions) -> bool:
     return options.peak_budget is not None or options.peak_fraction is not None
 
 
-def _rerun_allowance(plan, fastest_s, options) -> Optional[float]:
+def _rerun_allowance(plan, fastest_s, options, checkpointed_s) -> Optional[float]:
     """Seconds of recompute the reruns may add (cost model), None for the lowest peak found.
     A peak_budget asks for a peak: a byte one for the fastest plan meeting it (fit_peak), whatever
-    its reruns cost; a fraction one for a point of the range whose low end is budget 0's least peak.
-    A memory budget at its feasible minimum asks for the least memory: the time target gives way
-    there (the plan saves nothing, so it recomputes the forward once and each block again to hold
-    only block boundaries; measured on an 8-layer Llama at budget 0: reruns for the lowest peak
-    15.0 MiB, with one forward's estimated time 18.0 MiB, above budget 0.15's 16.7 MiB, at the
-    same step time). Otherwise the step may become at most peak_slack slower than the fastest plan
-    under the budget (its time without reruns), together with the peak tie-break's choice of a
-    slower plan (passes/peak.py lower_peak)."""
+    its reruns cost; a fraction one for a point of the range whose low end is the least peak.
+    A memory budget at its feasible minimum (budget 0) asks for little memory, and the time target
+    gives way there up to per-layer checkpointing's step (``checkpointed_s()``, the cost model's;
+    the whole-step issue's decision): the plan saves nothing, so it recomputes the forward once, and
+    each block again to hold only block boundaries. The envelope (passes/peak.py monotone_peak) then
+    holds it under budget 0.05's plan, whatever that costs. The least peak (None) is for
+    ``peak_slack`` 0 and option least_peak. Otherwise the step may become at most peak_slack slower
+    than the fastest plan under the budget (its time without reruns), together with the peak
+    tie-break's choice of a slower plan (passes/peak.py lower_peak)."""
     report = plan.budget
-    if _peak_budgeted(options) or (report is not None and report.target <= report.minimum):
+    if _peak_budgeted(options):
         return None
+    if report is not None and report.target <= report.minimum:
+        if options.least_peak or options.peak_slack <= 0:
+            return None
+        return max(0.0, checkpointed_s() - plan.step_cost_s)
     base = plan.step_cost_s if fastest_s is None else fastest_s
     return max(0.0, base * (1 + options.peak_slack) - plan.step_cost_s)
 
 
-def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap, allowance):
-    """The backward with values recomputed a second time where that lowers the step's peak."""
+def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap, allowance, shortenable):
+    """The backward with values recomputed a second time where that lowers the step's peak;
+    ``shortenable``: its last reruns may be dropped where the step peaks elsewhere (passes/lower.py)."""
     inputs = backward_inputs(fw, bw, num_fwd_outputs)
     inline = cost.lower == "inductor"  # liveness as Inductor runs it (pointwise ops inside their user)
     bw, report = rerun_for_peak(bw, inputs.counted, inputs.shared, inputs.held, simulate(fw, inline=inline)[0], cost,
-                                allowance, cap, _MIN_GAIN_INDUCTOR if inline else _MIN_GAIN, inline, donated=inputs.donated)
+                                allowance, cap, _MIN_GAIN_INDUCTOR if inline else _MIN_GAIN, inline, donated=inputs.donated,
+                                shortenable=shortenable)
     plan.rerun = report
     plan.backward_flops += report.flops
     plan.recompute_flops += report.flops

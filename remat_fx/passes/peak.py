@@ -713,8 +713,11 @@ def monotone_peak(cut, budgets, chosen, slack: float, levels: Optional[int] = 2)
     only if none does the feasible minimum's: the fastest of those that meet the bound, else the
     lowest-peak one. (Taking the feasible minimum's plan, the least peak, whenever the reruns missed
     put budget 0.3 of a wide 8-layer Llama at 47.90 MiB, under 0.15's 64.51; it now takes a grid
-    target's under it, 76.51 MiB.) The budget's saved bytes are never exceeded. At the feasible
-    minimum nothing else fits, and at the top of the grid nothing is above.
+    target's under it, 76.51 MiB.) The budget's saved bytes are never exceeded. At the top of the
+    grid nothing is above. At the feasible minimum (budget 0) nothing else fits: its plan, given
+    reruns up to per-layer checkpointing's estimated step (passes/partition.py _rerun_allowance), is
+    held under the plan budget 0.05's own compile makes (one level more than ``levels``), by reruns
+    whatever their time, else it takes the least peak they find.
 
     ``levels`` (option monotone): the nearby target's plan is itself held the same way under the
     target above it, ``levels`` targets up in all (1: lower_peak's plan of the nearest target as it
@@ -734,9 +737,10 @@ def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int]):
     every level up to the top of the grid)."""
     plan = chosen[2]
     report = plan.budget
-    if depth == 0 or None not in budgets or report is None or report.solver == "none" or \
-            report.target <= report.minimum:
+    if depth == 0 or None not in budgets or report is None or report.solver == "none":
         return chosen
+    if report.target <= report.minimum and depth is not None:
+        depth += 1  # budget 0's bound: budget 0.05's plan as its own compile holds it
     lo, hi = report.minimum, report.maximum
     fraction: Dict[int, float] = {}  # saved-bytes target -> its grid fraction (the largest giving it)
     for f in _GRID:
@@ -762,8 +766,8 @@ def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int]):
             if result[2].peak.step <= bound:
                 fits.append(result)
                 break
-        else:
-            fits.append(cut(_overall(budgets, Budget(fraction=0.0))))
+        else:  # the least peak the reruns find, whatever their time
+            fits.append(cut(_overall(budgets, Budget(fraction=0.0)), least=True))
         meet = [r for r in fits if r[2].peak.step <= bound]
         best = (min(meet, key=lambda r: (r[2].step_cost_s, r[2].peak.step)) if meet
                 else min(fits, key=lambda r: (r[2].peak.step, r[2].step_cost_s)))

@@ -224,7 +224,8 @@ class _State:
 def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str], held: int, floor: int,
                    cost: Callable[[fx.Node], float], allowance: Optional[float] = None, cap: Optional[int] = None,
                    min_gain: float = 0.0, inline: bool = False, max_closure: int = 256,
-                   tries: int = 6, patience: int = 40, max_reruns: int = 2000, donated: Set[str] = frozenset()):
+                   tries: int = 6, patience: int = 40, max_reruns: int = 2000, donated: Set[str] = frozenset(),
+                   shortenable: Optional[bool] = None):
     """(backward graph with the reruns, RerunReport); ``bw`` itself is left as it was.
     ``counted``/``shared``: as passes/peak.simulate; ``held``: bytes the forward leaves alive beyond
     the backward's inputs (its other outputs); ``floor``: the forward's peak (the step's peak cannot
@@ -232,7 +233,9 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     step, None for the lowest peak found whatever it costs; ``cap``: a peak_budget; ``min_gain``:
     without a cap, reruns are kept only if they lower the estimated peak by at least this fraction
     (the estimate's error under the lowering); ``inline``: liveness as under Inductor
-    (passes/peak.simulate); ``donated``: saved placeholders donated to it (passes/peak.backward_inputs)."""
+    (passes/peak.simulate); ``donated``: saved placeholders donated to it (passes/peak.backward_inputs);
+    ``shortenable``: whether ``shorten`` may drop the last reruns when the step peaks elsewhere (default:
+    without a cap; a peak_budget keeps what it chose, the monotone envelope's cap need not)."""
     t0 = time.perf_counter()
     prog = _Program(bw, counted, shared, inline, donated)
     report = RerunReport(allowance_s=allowance)
@@ -271,7 +274,7 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
         prog.items = keep[-1][0]
         report.peak_after = keep[-1][1].peak
         _tally(report, keep)
-        if cap is None:  # a peak_budget keeps the reruns it chose (nothing to shorten)
+        if cap is None if shortenable is None else shortenable:  # a peak_budget keeps the reruns it chose
             report._steps = (bw, backward0, [(h[0], h[1].backward, *h[2:]) for h in keep])
         bw = _materialize(bw, prog.items)
     report.seconds = time.perf_counter() - t0
