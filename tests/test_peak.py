@@ -1104,7 +1104,8 @@ def test_peak_tie_break_walks_on_peaks_without_reruns_and_searches_reruns_once(m
     def lower(cut, budgets, first, slack):
         before = searches[0]
         out = real_lower(cut, budgets, first, slack)
-        # the reports as lower_peak left them (the envelope later re-reports a plan it picks)
+        # the reports as lower_peak left them (the envelope may pick a plan lower_peak gave it, for
+        # a grid target under its budget, and re-report it as its budget's)
         calls.append((searches[0] - before, first[2], out[2], out[2].budget.lowered_to))
         return out
 

@@ -139,7 +139,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         budgets = budgets_of(joint, options)
 
         cuts: dict = {}  # one partition call solves a target once (the peak searches revisit them)
-        asked: dict = {}  # the arguments of each (the plan cache records the chosen one's)
+        asked: dict = {}  # id of each answer -> (its arguments, the answer): the plan cache records the chosen one's
         by_tags: dict = {}  # and finishes one set of tags once per allowance, cap and quick
 
         def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None, least=False):
@@ -152,11 +152,12 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             budget solved with repeated blocks alike, allowed that recompute (option blocks_alike's
             fraction; passes/peak.py _final_alike); ``least``: the reruns for the lowest peak they find,
             whatever their time (at budget 0, what option least_peak asks for; passes/peak.py
-            _envelope's last resort)."""
+            _envelope's last resort). Each call gets its own copy of the plan and its budget report, which
+            the peak searches annotate (lower_peak, the envelope, fit_peak's cap): another level of the
+            envelope asking for the same partition sees it as made, not as an earlier caller noted it."""
             key = (_budget_key(budgets), fastest_s, cap, quick, alike, least)
             if key not in cuts:
                 cuts[key] = solve(budgets, fastest_s, cap, quick, alike, least)
-                asked[id(cuts[key])] = (budgets, fastest_s, cap, quick, alike, least)
                 elapsed = time.perf_counter() - t0
                 if elapsed > _PROGRESS_S:
                     plan = cuts[key][2]
@@ -170,7 +171,13 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                              ", ".join(str(v) for v in budgets.values()) or "none",
                              fmt_bytes(plan.total_bytes), fmt_bytes(plan.peak.step), plan.step_cost_s * 1e3,
                              plan.rerun.reruns if plan.rerun is not None else 0, note)
-            return cuts[key]
+            fw, bw, plan, found_tags = cuts[key]
+            plan = copy.copy(plan)
+            if plan.budget is not None:
+                plan.budget = copy.copy(plan.budget)
+            mine = (fw, bw, plan, found_tags)
+            asked[id(mine)] = ((budgets, fastest_s, cap, quick, alike, least), mine)  # kept: its id stays its own
+            return mine
 
         answers: dict = {}  # the budget solver's answer to one target, asked again with and without reruns
 
@@ -240,7 +247,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         found[2].peak_evaluations = len(cuts)  # the partitions the search made (1: the plan cache's replay)
         fw, bw, plan, tags = found
         if entry is not None and not plan.from_cache and id(found) in asked:
-            entry.store(*asked[id(found)], plan)
+            entry.store(*asked[id(found)][0], plan)
     check_follows_tags(joint.names, tags, bw)
     plan.partition_seconds = time.perf_counter() - t0
     record(plan)
@@ -268,7 +275,6 @@ def _replay(cut, entry):
                  fmt_bytes(record["saved"]), fmt_bytes(record["peak"]))
         return None
     if record["report"] is not None and plan.budget is not None:
-        plan.budget = copy.copy(plan.budget)  # a cut's report is shared by later calls for the same tags
         for k, v in record["report"].items():
             setattr(plan.budget, k, v)
     plan.peak_budget = record["peak_budget"]

@@ -29,7 +29,6 @@ saved-bytes targets: otherwise the lowest-peak plan that fits the budget).
 """
 from __future__ import annotations
 
-import copy
 import operator
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
@@ -773,10 +772,9 @@ def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int]):
                 else min(fits, key=lambda r: (r[2].peak.step, r[2].step_cost_s)))
     if best is chosen:
         return chosen
-    picked = best[2].budget
+    picked = best[2].budget  # this call's own copy (passes/partition.py cut): re-reported as the budget's
     picked_target = picked.target if picked.lowered_to is None else picked.lowered_to
     solve_s = report.solve_seconds + picked.solve_seconds
-    picked = best[2].budget = copy.copy(picked)  # a cached plan's report may be another's too
     picked.budget, picked.target, picked.lowered_to = report.budget, report.target, picked_target
     picked.fastest_peak = report.fastest_peak if report.lowered_to is not None else plan.peak.step
     picked.fastest_step_s = report.fastest_step_s if report.lowered_to is not None else plan.step_cost_s
