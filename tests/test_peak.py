@@ -280,6 +280,13 @@ def test_budget_zero_is_held_in_per_layer_checkpointings_time_and_the_step_plann
     assert least.rerun.allowance_s is None and least.rerun.reruns > 0
     assert (step_zero.peak.step, step_zero.total_bytes, step_zero.rerun.names) == \
         (least.peak.step, least.total_bytes, least.rerun.names)
+    # peak_budget 0 is that plan, found without a search for another at its peak (three partitions:
+    # the plan without a budget, over it, the least peak's, and its target with the blocks alike,
+    # option blocks_alike "final", not faster here)
+    fraction_zero = plan(parse_options({"lower": "inductor", "peak_budget": 0.0}))
+    assert (fraction_zero.peak.step, fraction_zero.total_bytes, fraction_zero.rerun.names) == \
+        (least.peak.step, least.total_bytes, least.rerun.names)
+    assert fraction_zero.peak_evaluations == 3 and fraction_zero.peak_budget == least.peak.step
     assert zero.total_bytes == least.total_bytes  # both save budget 0's feasible minimum
     assert zero.peak.step <= near.peak.step, (least.peak, zero.peak, near.peak)
     # (here the least peak search's plan is not lower: it keeps the faster of two plans within 1%
