@@ -973,11 +973,12 @@ def shared_options(options: BackendOptions, fraction: Optional[float]) -> Backen
 
 def candidates(options: BackendOptions) -> List[Optional[float]]:
     """The shared budgets a step may be planned with: ``GRID``, under the user's memory budget
-    fraction if there is one."""
+    fraction if there is one (its 0 included: the least peak)."""
     user = options.memory_budget
     if user is None or user.nbytes is not None:
         return list(GRID)
-    return [None] + [f for f in GRID[1:] if f < user.fraction]
+    # 0.0 also under a user's budget 0: the least peak, which the user's own (held) budget 0 is not
+    return [None] + [f for f in GRID[1:] if f < user.fraction or f == 0.0]
 
 
 def estimate_curve(calls: Sequence[CompiledGraph], fractions: Optional[Sequence] = None,

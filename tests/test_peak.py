@@ -258,7 +258,7 @@ def test_budget_zero_is_held_in_per_layer_checkpointings_time_and_the_step_plann
     from remat_fx.options import parse_options
     from remat_fx.passes import partition
     from remat_fx.pareto import _capture, _tracing
-    from remat_fx.step import shared_options
+    from remat_fx.step import candidates, shared_options
     from tests.test_budget import GPT, GPTConfig, random_batch
 
     torch.manual_seed(0)
@@ -273,6 +273,9 @@ def test_budget_zero_is_held_in_per_layer_checkpointings_time_and_the_step_plann
     user = parse_options({"lower": "inductor"})
     assert shared_options(user, 0.0).least_peak and not shared_options(user, 0.05).least_peak
     assert not shared_options(user, None).least_peak
+    # a whole-step limit under a user's budget 0 may still go down to the least peak
+    assert candidates(parse_options({"memory_budget": 0.0})) == [None, 0.0]
+    assert candidates(parse_options({"memory_budget": 0.1})) == [None, 0.05, 0.0]
     least = plan(parse_options({"lower": "inductor", "memory_budget": 0.0, "peak_slack": 0}))
     step_zero = plan(shared_options(user, 0.0))
     zero = plan(parse_options({"lower": "inductor", "memory_budget": 0.0}))
@@ -287,6 +290,10 @@ def test_budget_zero_is_held_in_per_layer_checkpointings_time_and_the_step_plann
     assert (fraction_zero.peak.step, fraction_zero.total_bytes, fraction_zero.rerun.names) == \
         (least.peak.step, least.total_bytes, least.rerun.names)
     assert fraction_zero.peak_evaluations == 3 and fraction_zero.peak_budget == least.peak.step
+    # without reruns budget 0 has no other plan: no envelope is planned (its partition, and the
+    # tie-break's look at it without reruns)
+    plain = plan(parse_options({"lower": "inductor", "memory_budget": 0.0, "rerun": False}))
+    assert plain.rerun is None and plain.peak_evaluations == 2 and plain.budget.held_under is None
     assert zero.total_bytes == least.total_bytes  # both save budget 0's feasible minimum
     assert zero.peak.step <= near.peak.step, (least.peak, zero.peak, near.peak)
     # (here the least peak search's plan is not lower: it keeps the faster of two plans within 1%

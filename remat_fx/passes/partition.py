@@ -242,7 +242,9 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                              else None)
         elif found is None:
             chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
-            found = chosen if options.peak_slack <= 0 or options.least_peak else \
+            at_minimum = chosen[2].budget is not None and chosen[2].budget.target <= chosen[2].budget.minimum
+            found = chosen if options.peak_slack <= 0 or options.least_peak or \
+                (at_minimum and options.rerun is False) else \
                 monotone_peak(cut, budgets, chosen, options.peak_slack, monotone_levels(options.monotone))
         found[2].peak_evaluations = len(cuts)  # the partitions the search made (1: the plan cache's replay)
         fw, bw, plan, tags = found

@@ -24,8 +24,11 @@ backward's live bytes per second (``_cut_above``: a value freed at the peak lowe
 no other position holds as much), and the better of the two is kept: on the Llama of
 benchmarks/gpu.py at budget 0.15 the first ranking spent 5.4 of 6.6 ms on a residual chain whose
 4 MiB freed at the peak lowered it by 0.23 MiB, the second took four single matmuls first
-(24.27 -> 21.30 MiB estimated against 22.28). Searching for the lowest peak (budget 0, the low end
-of a fraction peak_budget) on a backward of numbered blocks (``model.layers.3``, from the nodes'
+(24.27 -> 21.30 MiB estimated against 22.28). Searching for the lowest peak (budget 0 with
+peak_slack 0, the low end of a fraction peak_budget; not budget 0's default reruns, under a time
+allowance and then the monotone envelope's cap: with whole blocks first there too, budget 0.05 of
+that Llama took a plan of 18 reruns that measured 18.0 MiB against its estimate and 0.1's 17.4)
+on a backward of numbered blocks (``model.layers.3``, from the nodes'
 module paths), a second search first offers each block as one candidate: every value of the block
 held at the peak, but not its outputs to other blocks, rerun together before the first later use
 of any of them, which is per-block checkpointing's structure; once no block lowers the peak it goes
