@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import logging
 import operator
@@ -112,16 +113,12 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         fw, bw, plan = parts[key]
         return fw, bw, copy.copy(plan)
 
-    checkpointed: list = []  # per-layer checkpointing's estimated step, made once
-
+    @functools.lru_cache(maxsize=None)
     def checkpointed_s() -> float:
-        """The cost model's step of per-layer checkpointing, the time budget 0 may take: the plan
-        without a budget and the forward once more (a bound: the blocks' forward, and the head's)."""
-        if not checkpointed:
-            _, _, unbudgeted = partitioned(None, lambda: (fw0, bw0, copy.copy(plan0)))
-            checkpointed.append(unbudgeted.step_cost_s +
-                                sum(cost(n) for n in fw0.graph.nodes if n.op == "call_function"))
-        return checkpointed[0]
+        """The cost model's step of per-layer checkpointing, the time budget 0 may take (made once):
+        the plan without a budget and the forward once more (a bound: the blocks' forward, and the head's)."""
+        _, _, unbudgeted = partitioned(None, lambda: (fw0, bw0, copy.copy(plan0)))
+        return unbudgeted.step_cost_s + sum(cost(n) for n in fw0.graph.nodes if n.op == "call_function")
 
     def finish(fw, bw, plan, budgeted, fastest_s, cap=None, quick=False, least=False):
         if not quick and (options.rerun is True or (options.rerun == "auto" and budgeted)):
@@ -202,7 +199,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             # the solver often gives several targets the same tags (the peak searches' targets
             # between two plans' saved bytes): the same tags make the same partition and reruns
             chosen = frozenset((n.name, t.policy) for n, t in new_tags.items())
-            same = (chosen, fastest_s, cap, quick, least, report.solver == "none", report.target <= report.minimum)
+            same = (chosen, fastest_s, cap, quick, least, report.solver == "none", report.at_minimum)
             if same in by_tags:
                 fw, bw, done, recompute_s = by_tags[same]
                 plan = copy.copy(done)
@@ -242,7 +239,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                              else None)
         elif found is None:
             chosen = lower_peak(cut, budgets, cut(budgets), options.peak_slack)
-            at_minimum = chosen[2].budget is not None and chosen[2].budget.target <= chosen[2].budget.minimum
+            at_minimum = chosen[2].budget is not None and chosen[2].budget.at_minimum
             found = chosen if options.peak_slack <= 0 or options.least_peak or \
                 (at_minimum and options.rerun is False) else \
                 monotone_peak(cut, budgets, chosen, options.peak_slack, monotone_levels(options.monotone))
@@ -319,7 +316,7 @@ def _rerun_allowance(plan, fastest_s, options, checkpointed_s) -> Optional[float
     report = plan.budget
     if _peak_budgeted(options):
         return None
-    if report is not None and report.target <= report.minimum:
+    if report is not None and report.at_minimum:
         if options.least_peak or options.peak_slack <= 0:
             return None
         return max(0.0, checkpointed_s() - plan.step_cost_s)

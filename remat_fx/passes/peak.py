@@ -740,7 +740,7 @@ def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int]):
     report = plan.budget
     if depth == 0 or None not in budgets or report is None or report.solver == "none":
         return chosen
-    if report.target <= report.minimum and depth is not None:
+    if report.at_minimum and depth is not None:
         depth += 1  # budget 0's bound: budget 0.05's plan as its own compile holds it
     lo, hi = report.minimum, report.maximum
     fraction: Dict[int, float] = {}  # saved-bytes target -> its grid fraction (the largest giving it)

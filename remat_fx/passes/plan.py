@@ -78,6 +78,11 @@ class BudgetReport:
     alike: int = 0  # classes of ops alike across repeated blocks that the solver decided alike (passes/budget.py)
 
     @property
+    def at_minimum(self) -> bool:
+        """The budget asks for the feasible minimum of saved bytes (budget 0)."""
+        return self.target <= self.minimum
+
+    @property
     def held_final(self) -> bool:
         """The bound was that budget's final plan (monotone="grid")."""
         return self.held_levels is None
