@@ -125,7 +125,8 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             bw = _rerun(fw, bw, plan, num_fwd_outputs, cost, options.peak_budget if cap is None else cap,
                         None if cap is not None or least else
                         _rerun_allowance(plan, fastest_s, options, checkpointed_s),
-                        options.peak_budget is None)  # the envelope's cap may be shortened, a byte peak_budget's not
+                        options.peak_budget is None,  # the envelope's cap may be shortened, a byte peak_budget's not
+                        cap is not None and plan.budget is not None and plan.budget.at_minimum)
         plan.peak = estimate_peak(fw, bw, num_fwd_outputs, inline=options.lower == "inductor")
         return fw, bw, plan
 
@@ -324,14 +325,14 @@ def _rerun_allowance(plan, fastest_s, options, checkpointed_s) -> Optional[float
     return max(0.0, base * (1 + options.peak_slack) - plan.step_cost_s)
 
 
-def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap, allowance, shortenable):
+def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap, allowance, shortenable, blocks_first=False):
     """The backward with values recomputed a second time where that lowers the step's peak;
     ``shortenable``: its last reruns may be dropped where the step peaks elsewhere (passes/lower.py)."""
     inputs = backward_inputs(fw, bw, num_fwd_outputs)
     inline = cost.lower == "inductor"  # liveness as Inductor runs it (pointwise ops inside their user)
     bw, report = rerun_for_peak(bw, inputs.counted, inputs.shared, inputs.held, simulate(fw, inline=inline)[0], cost,
                                 allowance, cap, _MIN_GAIN_INDUCTOR if inline else _MIN_GAIN, inline, donated=inputs.donated,
-                                shortenable=shortenable)
+                                shortenable=shortenable, blocks_first=blocks_first)
     plan.rerun = report
     plan.backward_flops += report.flops
     plan.recompute_flops += report.flops

@@ -228,7 +228,7 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
                    cost: Callable[[fx.Node], float], allowance: Optional[float] = None, cap: Optional[int] = None,
                    min_gain: float = 0.0, inline: bool = False, max_closure: int = 256,
                    tries: int = 6, patience: int = 40, max_reruns: int = 2000, donated: Set[str] = frozenset(),
-                   shortenable: Optional[bool] = None):
+                   shortenable: Optional[bool] = None, blocks_first: bool = False):
     """(backward graph with the reruns, RerunReport); ``bw`` itself is left as it was.
     ``counted``/``shared``: as passes/peak.simulate; ``held``: bytes the forward leaves alive beyond
     the backward's inputs (its other outputs); ``floor``: the forward's peak (the step's peak cannot
@@ -238,7 +238,8 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     (the estimate's error under the lowering); ``inline``: liveness as under Inductor
     (passes/peak.simulate); ``donated``: saved placeholders donated to it (passes/peak.backward_inputs);
     ``shortenable``: whether ``shorten`` may drop the last reruns when the step peaks elsewhere (default:
-    without a cap; a peak_budget keeps what it chose, the monotone envelope's cap need not)."""
+    without a cap; a peak_budget keeps what it chose, the monotone envelope's cap need not);
+    ``blocks_first``: toward a ``cap`` too, also the search with whole blocks first (budget 0's cap)."""
     t0 = time.perf_counter()
     prog = _Program(bw, counted, shared, inline, donated)
     report = RerunReport(allowance_s=allowance)
@@ -257,9 +258,9 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     # of the backward's live bytes and by the bytes they free at its peak, and keeps the better
     items0 = prog.items
     ways = [(True, False), (False, False)] if allowance is not None else [(False, False)]
-    if _BLOCKS_FIRST and allowance is None and cap is None and \
+    if _BLOCKS_FIRST and allowance is None and (cap is None or blocks_first) and \
             len({prog.block(n) for n in prog.rerunnable} - {None}) > 1:
-        ways.append((False, True))  # the lowest peak, on a backward of numbered blocks: whole blocks first
+        ways.append((False, True))  # the lowest peak (or budget 0's cap), on a backward of numbered blocks
     kept = []
     for by_cut, blocks in ways:
         prog.items = items0  # the backward without reruns
@@ -267,10 +268,12 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
                           max_reruns, by_cut, blocks)
         kept.append(history[:_prefix(history, report.peak_before, cap, min_gain)])
     keep = min(kept, key=lambda found: _outcome(found, cur))
-    if ways[-1][1]:  # of the two lowest peaks' searches, the faster where it is within _NEAR_LOWEST
-        near = _outcome(keep, cur)[0] * (1 + _NEAR_LOWEST)
-        keep = min((found for found in kept if _outcome(found, cur)[0] <= near),
-                   key=lambda found: _outcome(found, cur)[::-1])
+    if ways[-1][1]:  # of the searches within _NEAR_LOWEST of the lowest peak, the faster; alike in time
+        near = _outcome(keep, cur)[0] * (1 + _NEAR_LOWEST)  # (_NEAR_FASTEST), the one copying fewer nodes
+        close = [found for found in kept if _outcome(found, cur)[0] <= near]
+        fastest = min(_outcome(found, cur)[1] for found in close) * (1 + _NEAR_FASTEST)
+        keep = min((found for found in close if _outcome(found, cur)[1] <= fastest),
+                   key=lambda found: (_copied(found), _outcome(found, cur)[1]))
     if len(keep) > 1 and not inline:  # under Inductor: see _prune
         keep = _prune(prog, keep, state)
     if keep:
@@ -387,6 +390,14 @@ def _tally(report: RerunReport, kept: list) -> None:
         before = spent
 
 
+def _copied(kept: list) -> int:
+    """The nodes the reruns of ``kept`` (a search's history) copy into its last program (as _tally)."""
+    if not kept:
+        return 0
+    alive = _alive(kept[-1][0])
+    return sum(len(h[3]) for number, h in enumerate(kept, 1) if number in alive)
+
+
 def _alive(items: List[_Item]) -> Set[int]:
     """The numbers of the reruns whose copies something in the program reads (the output reads,
     or an op with side effects), as the graph's dead-code elimination would leave them."""
@@ -480,6 +491,9 @@ def _signature(gm: fx.GraphModule):
 # fraction below the backward's peak (_cut_above), per second of recompute
 _TOP = 0.05
 _NEAR_LOWEST = 0.01  # reruns past the first peak this close to the lowest one found are not kept
+# two searches' reruns this close in recompute time are alike in time: the one copying fewer nodes is
+# kept (the first step's Inductor lowers and compiles what they copy)
+_NEAR_FASTEST = 0.02
 _BLOCKS_FIRST = True  # for the lowest peak, also a search that reruns whole numbered blocks first (_candidates)
 
 
