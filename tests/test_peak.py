@@ -304,6 +304,69 @@ def test_budget_zero_is_held_in_per_layer_checkpointings_time_and_the_step_plann
         assert zero.rerun.allowance_s is not None and zero.rerun.cost_s <= zero.rerun.allowance_s
 
 
+def test_budget_zero_toward_its_cap_also_reruns_whole_blocks_first(monkeypatch):
+    """Budget 0's reruns toward the envelope's cap (budget 0.05's plan) run two searches on a backward
+    of numbered blocks: value by value, and whole blocks first (on benchmarks/gpu.py's Llama the
+    blocks' plan is kept: 40 kernels compiled instead of 55). A 6-block GPT's joint graph planned
+    for Inductor, nothing lowered: here the blocks' search does not reach the cap, so the values'
+    plan is kept, and it meets the cap."""
+    import remat_fx.passes.rerun as rerun
+    from remat_fx.options import parse_options
+    from remat_fx.passes import partition
+    from remat_fx.pareto import _capture, _tracing
+    from tests.test_budget import GPT, GPTConfig, random_batch
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=32, d_model=32, n_head=2, n_layer=6)
+    ((gm, joint_inputs, kwargs),) = _capture(GPT(cfg), random_batch(cfg, 2), {})
+    searches, real = [], rerun._search
+
+    def spy(prog, state, sim, cur, held, floor, cost, allowance, cap, *args):
+        history = real(prog, state, sim, cur, held, floor, cost, allowance, cap, *args)
+        kept = history[:rerun._prefix(history, cur.peak, cap, 0.0)]
+        searches.append((cap, args[-1], kept[-1][1].peak if kept else cur.peak, rerun._copied(kept)))
+        return history
+
+    monkeypatch.setattr(rerun, "_search", spy)
+    with _tracing(joint_inputs):
+        partition.partition(gm, joint_inputs, options=parse_options({"lower": "inductor", "memory_budget": 0.0}),
+                            **kwargs)
+    zero = remat.last_plan()
+    (cap, blocks, values_peak, values_nodes), (cap2, blocks2, blocks_peak, _) = searches[-2:]
+    assert cap is not None and cap == cap2 == zero.budget.held_under and (blocks, blocks2) == (False, True)
+    assert values_peak <= cap < blocks_peak, searches[-2:]
+    assert zero.rerun.nodes == values_nodes and zero.peak.step <= zero.budget.held_under
+    # the searches above the minimum, toward a cap or within an allowance, go value by value only
+    assert all(not b for _, b, _, _ in searches[:-1])
+
+
+def test_of_two_rerun_searches_near_the_lowest_peak_and_alike_in_time_the_fewer_copies_are_kept():
+    """_choose: of the value-by-value and the blocks-first searches' kept reruns, those within 1% of
+    the lowest peak; of them the fastest, unless another is within 2% of its recompute and copies
+    fewer nodes (what Inductor lowers and compiles in the first step)."""
+    from remat_fx.passes.rerun import _choose, _Item, _State
+
+    start = _State(1000, 1, 1000)
+
+    def search(peak, seconds, *nodes):  # one rerun each, all of them read in the last program
+        kept = []
+        for k, n in enumerate(nodes, 1):
+            items = [_Item(torch.fx.Graph().placeholder("x"), {}, copy=number) for number in range(1, k + 1)]
+            out = torch.fx.Graph().output(None)
+            items.append(_Item(out, {object(): i for i in items}))
+            kept.append((items, _State(peak, 1, peak), f"r{k}", [None] * n, seconds * k / len(nodes)))
+        return kept
+
+    values = search(500, 1.00, 40, 40)  # 80 copies
+    assert _choose([values, search(503, 1.015, 10, 10)], start) is not values  # within 1% and 2%: 20 copies
+    slower = search(503, 1.03, 10, 10)  # 3% slower: not alike in time
+    assert _choose([values, slower], start) is values and _choose([slower, values], start) is values
+    higher = search(506, 0.5, 1)  # 1.2% higher: not near the lowest peak, however fast
+    assert _choose([values, higher], start) is values
+    lower = search(490, 1.2, 90)  # lower by 2%: the only one near the lowest, however slow
+    assert _choose([values, lower], start) is lower
+
+
 def test_peak_budget_under_inductor_plans_the_blocks_alike_and_the_plan_cache_replays_it(tmp_path, monkeypatch):
     """A 6-block GPT's joint graph, planned for the Inductor lowering (nothing lowered) at a
     peak_budget 70% of the way from its least estimated peak to its peak without a budget: the
@@ -544,10 +607,10 @@ def test_the_lowest_peak_search_also_reruns_whole_blocks_first_and_keeps_the_fas
     """At budget 0 with peak_slack 0 (the least peak) on a model of numbered blocks (the example
     GPT's ``blocks.<i>``) a second rerun search first reruns each block whole, from its input, as per-block checkpointing does, each
     block lowering the peak (or narrowing the stretch at it), then goes on value by value. Of the
-    two searches' plans the faster is kept where its estimated peak is within 1% of the lower one,
-    else the lower: never more than 1%
-    above the value-by-value search's peak, and slower only at a lower peak; gradients as without
-    remat. (On the 8-layer Llama of benchmarks/gpu.py under Inductor the blocks' plan is kept: the
+    two searches' plans the faster is kept where its estimated peak is within 1% of the lower one
+    (or, within 2% of the faster's recompute, the one copying fewer nodes: _choose), else the lower:
+    never more than 1% above the value-by-value search's peak, and more than 2% slower only at a
+    lower peak; gradients as without remat. (On the 8-layer Llama of benchmarks/gpu.py under Inductor the blocks' plan is kept: the
     same measured peak, 11% less step time, docs/budgets.md#reruns; on this small model under the
     eager lowering the values' plan is.)"""
     import remat_fx.passes.rerun as rerun
@@ -586,8 +649,8 @@ def test_the_lowest_peak_search_also_reruns_whole_blocks_first_and_keeps_the_fas
     assert all(b <= a for a, b in zip(peaks, peaks[1:len(whole) + 1])) and peaks[len(whole)] < peaks[0], peaks
     values, chosen = plans[False], plans[True]
     assert chosen.peak.step <= values.peak.step * 1.01, (fmt_bytes(chosen.peak.step), fmt_bytes(values.peak.step))
-    assert chosen.rerun.cost_s <= values.rerun.cost_s or chosen.peak.step < values.peak.step, (chosen.rerun,
-                                                                                               values.rerun)
+    assert chosen.rerun.cost_s <= values.rerun.cost_s * (1 + rerun._NEAR_FASTEST) or \
+        chosen.peak.step < values.peak.step, (chosen.rerun, values.rerun)
 
 
 def test_rerun_keeps_the_fewest_reruns_that_come_within_one_percent_of_the_lowest_peak():

@@ -25,15 +25,17 @@ no other position holds as much), and the better of the two is kept: on the Llam
 benchmarks/gpu.py at budget 0.15 the first ranking spent 5.4 of 6.6 ms on a residual chain whose
 4 MiB freed at the peak lowered it by 0.23 MiB, the second took four single matmuls first
 (24.27 -> 21.30 MiB estimated against 22.28). Searching for the lowest peak (budget 0 with
-peak_slack 0, the low end of a fraction peak_budget; not budget 0's default reruns, under a time
-allowance and then the monotone envelope's cap: with whole blocks first there too, budget 0.05 of
-that Llama took a plan of 18 reruns that measured 18.0 MiB against its estimate and 0.1's 17.4)
-on a backward of numbered blocks (``model.layers.3``, from the nodes'
+peak_slack 0, the low end of a fraction peak_budget), or toward budget 0's cap (the monotone
+envelope's: budget 0.05's plan; not above the minimum: with whole blocks first toward its cap,
+budget 0.05 of that Llama took a plan of 18 reruns that measured 18.0 MiB against its estimate and
+0.1's 17.4) on a backward of numbered blocks (``model.layers.3``, from the nodes'
 module paths), a second search first offers each block as one candidate: every value of the block
 held at the peak, but not its outputs to other blocks, rerun together before the first later use
 of any of them, which is per-block checkpointing's structure; once no block lowers the peak it goes
 on value by value. Of the two, the faster plan is kept where its peak is within 1% of the lower
-one. On the 8-layer Llama of benchmarks/gpu.py at budget 0 (Inductor's liveness) 8 blocks take the
+one, or of two within 2% of each other's recompute the one copying fewer nodes (``_choose``:
+budget 0 of that Llama toward its cap, 35 reruns copying 697 nodes against 78 copying 912, 1.8%
+more recompute; 40 kernels compiled instead of 55). On the 8-layer Llama of benchmarks/gpu.py at budget 0 (Inductor's liveness) 8 blocks take the
 estimate from 91.3 to 23.3 MiB for 72 ms of recompute and the values after them to 16.73 MiB, 200
 ms and 2,230 copied nodes in all, where values alone reach 16.60 MiB with 235 ms and 2,532: the
 blocks' plan is kept. On small models and under the eager lowering the values' plan was faster. It stops when the
@@ -267,13 +269,7 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
         history = _search(prog, state, sim, cur, held, floor, cost, allowance, cap, max_closure, tries, patience,
                           max_reruns, by_cut, blocks)
         kept.append(history[:_prefix(history, report.peak_before, cap, min_gain)])
-    keep = min(kept, key=lambda found: _outcome(found, cur))
-    if ways[-1][1]:  # of the searches within _NEAR_LOWEST of the lowest peak, the faster; alike in time
-        near = _outcome(keep, cur)[0] * (1 + _NEAR_LOWEST)  # (_NEAR_FASTEST), the one copying fewer nodes
-        close = [found for found in kept if _outcome(found, cur)[0] <= near]
-        fastest = min(_outcome(found, cur)[1] for found in close) * (1 + _NEAR_FASTEST)
-        keep = min((found for found in close if _outcome(found, cur)[1] <= fastest),
-                   key=lambda found: (_copied(found), _outcome(found, cur)[1]))
+    keep = _choose(kept, cur) if ways[-1][1] else min(kept, key=lambda found: _outcome(found, cur))
     if len(keep) > 1 and not inline:  # under Inductor: see _prune
         keep = _prune(prog, keep, state)
     if keep:
@@ -329,6 +325,17 @@ def _search(prog: _Program, state, sim, cur: _State, held: int, floor: int, cost
         else:
             stale += 1
     return history
+
+
+def _choose(kept: list, start: _State) -> list:
+    """Of the searches' kept reruns (value by value, whole blocks first), those within _NEAR_LOWEST
+    of the lowest peak; of them the fastest, or where others' recompute is within _NEAR_FASTEST of
+    its, the one of those copying the fewest nodes (what Inductor lowers and compiles in the first step)."""
+    near = min(_outcome(found, start)[0] for found in kept) * (1 + _NEAR_LOWEST)
+    close = [found for found in kept if _outcome(found, start)[0] <= near]
+    fastest = min(_outcome(found, start)[1] for found in close) * (1 + _NEAR_FASTEST)
+    return min((found for found in close if _outcome(found, start)[1] <= fastest),
+               key=lambda found: (_copied(found), _outcome(found, start)[1], _outcome(found, start)[0]))
 
 
 def _outcome(kept: list, start: _State) -> tuple:
