@@ -501,7 +501,7 @@ _NEAR_LOWEST = 0.01  # reruns past the first peak this close to the lowest one f
 # two searches' reruns this close in recompute time are alike in time: the one copying fewer nodes is
 # kept (the first step's Inductor lowers and compiles what they copy)
 _NEAR_FASTEST = 0.02
-_BLOCKS_FIRST = True  # for the lowest peak, also a search that reruns whole numbered blocks first (_candidates)
+_BLOCKS_FIRST = True  # for the lowest peak and budget 0's cap, also a search rerunning whole numbered blocks first (_candidates)
 
 
 def _prefix(history, peak0: int, cap, min_gain: float) -> int:
