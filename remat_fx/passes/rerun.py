@@ -35,8 +35,8 @@ of any of them, which is per-block checkpointing's structure; once no block lowe
 on value by value. Of the two, the faster plan is kept where its peak is within 1% of the lower
 one, or of two within 2% of each other's recompute the one copying fewer nodes (``_choose``:
 budget 0 of that Llama toward its cap, 35 reruns copying 697 nodes against 78 copying 912, 1.8%
-more recompute; 40 kernels compiled instead of 55). On the 8-layer Llama of benchmarks/gpu.py at budget 0 (Inductor's liveness) 8 blocks take the
-estimate from 91.3 to 23.3 MiB for 72 ms of recompute and the values after them to 16.73 MiB, 200
+more recompute; 40 kernels compiled instead of 55). On the 8-layer Llama of benchmarks/gpu.py at
+budget 0 with peak_slack 0 (Inductor's liveness) 8 blocks take the estimate from 91.3 to 23.3 MiB for 72 ms of recompute and the values after them to 16.73 MiB, 200
 ms and 2,230 copied nodes in all, where values alone reach 16.60 MiB with 235 ms and 2,532: the
 blocks' plan is kept. On small models and under the eager lowering the values' plan was faster. It stops when the
 step's peak is the forward's (the backward can no longer set it). Random ops, mutations and
@@ -501,7 +501,8 @@ _NEAR_LOWEST = 0.01  # reruns past the first peak this close to the lowest one f
 # two searches' reruns this close in recompute time are alike in time: the one copying fewer nodes is
 # kept (the first step's Inductor lowers and compiles what they copy)
 _NEAR_FASTEST = 0.02
-_BLOCKS_FIRST = True  # for the lowest peak and budget 0's cap, also a search rerunning whole numbered blocks first (_candidates)
+# for the lowest peak and toward budget 0's cap, also a search rerunning whole numbered blocks first (_candidates)
+_BLOCKS_FIRST = True
 
 
 def _prefix(history, peak0: int, cap, min_gain: float) -> int:
