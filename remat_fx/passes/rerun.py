@@ -36,10 +36,10 @@ on value by value. Of the two, the faster plan is kept where its peak is within 
 one, or of two within 2% of each other's recompute the one copying fewer nodes (``_choose``:
 budget 0 of that Llama toward its cap, 35 reruns copying 697 nodes against 78 copying 912, 1.8%
 more recompute; 40 kernels compiled instead of 55). On the 8-layer Llama of benchmarks/gpu.py at
-budget 0 with peak_slack 0 (Inductor's liveness) 8 blocks take the estimate from 91.3 to 23.3 MiB for 72 ms of recompute and the values after them to 16.73 MiB, 200
-ms and 2,230 copied nodes in all, where values alone reach 16.60 MiB with 235 ms and 2,532: the
-blocks' plan is kept. On small models and under the eager lowering the values' plan was faster. It stops when the
-step's peak is the forward's (the backward can no longer set it). Random ops, mutations and
+budget 0 with peak_slack 0 (Inductor's liveness) 8 blocks take the estimate from 91.3 to 23.3 MiB
+for 72 ms of recompute and the values after them to 16.73 MiB, 200 ms and 2,230 copied nodes in
+all, where values alone reach 16.60 MiB with 235 ms and 2,532: the blocks' plan is kept. On small
+models and under the eager lowering the values' plan was faster. It stops when the step's peak is the forward's (the backward can no longer set it). Random ops, mutations and
 anything that reads a tangent are never rerun. When the backward is compiled, the step may show
 that another of its graphs sets its peak: ``shorten`` then keeps only the first reruns it needs.
 """
