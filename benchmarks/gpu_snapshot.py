@@ -6,13 +6,16 @@ history over one more step (``torch.cuda.memory._record_memory_history``) and pr
 moment the step's allocations peak: ``remat.step_report()``, every block then alive that the step
 allocated, grouped by the line of Inductor's generated code (and the model's line) that allocated
 it, and the events just before the peak; then, per compiled graph, what remat's estimate has alive
-at its backward's estimated peak. This is how the CUDA-only buffers the estimate did not model
-were found (docs/benchmarks.md, "NVIDIA H100, GPT-2 again").
+at its backward's estimated peak, and the peak of Inductor's own schedule of it. This is how the
+CUDA-only buffers the estimate did not model were found (docs/benchmarks.md, "NVIDIA H100, GPT-2
+again", and the loss's gradient of "NVIDIA H200, 8-layer Llama, at a14ce11").
 
     python benchmarks/gpu_snapshot.py --model gpt2 --layers 12 --hidden 768 --vocab 50257 --batch 8 --seq 1024 \\
         --budgets 0.1,0
 
-Writes benchmarks/out/snapshot_<model>_<budget>.txt (CUDA only).
+Writes benchmarks/out/snapshot_<model>_<budget>.txt (CUDA only), and each partition's forward and
+backward as printed (``fx_<model>_<budget>_<i>_fw.py`` / ``_bw.py``): benchmarks/fx_replay.py runs
+remat's estimate on them on any machine.
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ def estimate_at_peak(fw, bw, num_fwd_outputs: int, inline: bool, top: int = 12) 
 
 
 def snapshot(args, budget: float) -> str:
-    from remat_fx.passes import lower
+    from remat_fx.passes import lower, lowered_peak
 
     torch._dynamo.reset()
     STEP.reset()
@@ -74,10 +77,25 @@ def snapshot(args, budget: float) -> str:
         return fw, bw
 
     lower.RematPartitioner.__call__ = keep
+    schedules = []  # Inductor's own schedule of each graph compiled (passes/lowered_peak.py)
     try:
-        return _snapshot(args, budget, partitions)
+        with lowered_peak.reading_schedules(schedules):
+            text = _snapshot(args, budget, partitions)
     finally:
         lower.RematPartitioner.__call__ = partitioner
+    folder = getattr(args, "out_dir", None)
+    for i, (fw, bw, _, _) in enumerate(partitions if folder is not None else ()):  # for benchmarks/fx_replay.py
+        for part, gm in (("fw", fw), ("bw", bw)):
+            (folder / f"fx_{args.model}_{budget:g}_{i}_{part}.py").write_text(gm.print_readable(print_output=False))
+    lines = ["Inductor's schedule of each graph compiled (passes/lowered_peak.py), its inputs counted but the "
+             "parameters and the batch:"]
+    for i, schedule in enumerate(schedules):
+        if schedule is None:
+            lines.append(f"  graph {i}: not read")
+            continue
+        counted = {name for name in schedule.inputs if not name.startswith(("primals", "arg"))}
+        lines.append(f"  graph {i}: {schedule.kernels} kernels, peak {schedule.peak(counted) / 2**20:.1f} MiB")
+    return text + "\n" + "\n".join(lines)
 
 
 def _snapshot(args, budget: float, partitions: list) -> str:
@@ -149,6 +167,7 @@ def main():
     args.device, args.bf16 = torch.device("cuda"), args.autocast == "bf16"
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "out"
     out.mkdir(parents=True, exist_ok=True)
+    args.out_dir = out
     gpu.warm_up(args.device)
     torch._inductor.config.fx_graph_cache = False
     for budget in (float(v) for v in args.budgets.split(",") if v.strip()):

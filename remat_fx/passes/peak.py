@@ -103,6 +103,7 @@ class NodeFacts(NamedTuple):
     reads_none: bool  # reads no tensor (an iota, a full): a body of no reads, computed in every reader
     takes_inside: bool  # computes an input Inductor has not realised inside it: fusible, or a cat
     reduced: bool  # realised_reduction: a reader loads it as one buffer, whatever the reduction read
+    in_place: bool  # written_in_place: its output may be written over an input dying in it
 
 
 def node_facts(node: fx.Node, memo: dict) -> NodeFacts:
@@ -114,7 +115,8 @@ def node_facts(node: fx.Node, memo: dict) -> NodeFacts:
         can_fuse = fusible(node)
         found = memo[node] = NodeFacts(inlinable_op(node), can_fuse, is_view(node, base), pointwise_op(node),
                                        _on_cpu(node), base, indexed_read(node), not node.all_input_nodes,
-                                       can_fuse or node.target is _CAT, realised_reduction(node))
+                                       can_fuse or node.target is _CAT, realised_reduction(node),
+                                       written_in_place(node))
     return found
 
 
@@ -281,13 +283,13 @@ def reads_through(x, inputs: Callable, inlined: Set, memo: dict) -> Set:
 
 
 def liveness(n: int, storages: Dict[object, Tuple[int, int]], reads: List[Iterable], outputs: Set,
-             writers: Optional[Set] = None, donated: Set = frozenset()) -> tuple:
+             writers: Optional[Set] = None, donated: Set = frozenset(), apart: Optional[Callable] = None) -> tuple:
     """(bytes live at each of positions 0..n, last use of each storage) of a program of ``n``
     positions: ``storages`` {key: (position allocated, bytes)}, ``reads[i]`` the keys position ``i``
     reads (its own output included), ``outputs`` the keys alive to the end (position ``n``). A
     storage is alive from its allocation while its last reader runs. ``writers`` (Inductor): the
     storages its pointwise kernels make, which may be written in place (``_in_place``) over a
-    storage of their own or an input in ``donated``."""
+    storage of their own or an input in ``donated``, unless ``apart(writer, input)``."""
     last: Dict[object, int] = {k: start for k, (start, _) in storages.items()}
     for i, keys in enumerate(reads):
         for k in keys:
@@ -295,7 +297,7 @@ def liveness(n: int, storages: Dict[object, Tuple[int, int]], reads: List[Iterab
                 last[k] = i
     for k in outputs:
         last[k] = n
-    starts = _in_place(storages, reads, last, writers, donated) if writers else {}
+    starts = _in_place(storages, reads, last, writers, donated, apart) if writers else {}
     events = [0] * (n + 2)
     for k, (start, nbytes) in storages.items():
         events[starts.get(k, start)] += nbytes
@@ -307,12 +309,13 @@ def liveness(n: int, storages: Dict[object, Tuple[int, int]], reads: List[Iterab
     return live, last
 
 
-def _in_place(storages, reads, last, writers: Set, donated: Set = frozenset()) -> Dict[object, int]:
+def _in_place(storages, reads, last, writers: Set, donated: Set = frozenset(),
+              apart: Optional[Callable] = None) -> Dict[object, int]:
     """Inductor writes a pointwise kernel's output over an input of the same size that dies in
     that kernel (``inplace_buffers``): one of its own buffers, or a graph input AOTAutograd donates
-    to the backward (``donated``: ``own_buffer``). The output takes no memory of its own until the
-    input's is free. {storage: position its own memory starts} for the outputs written
-    in place."""
+    to the backward (``donated``: ``own_buffer``), unless ``apart(output, input)`` (``writes_apart``).
+    The output takes no memory of its own until the input's is free. {storage: position its own
+    memory starts} for the outputs written in place."""
     moved: Dict[object, int] = {}
     taken: Set = set()
     for k in writers:
@@ -321,11 +324,118 @@ def _in_place(storages, reads, last, writers: Set, donated: Set = frozenset()) -
             continue
         for r in reads[start]:
             if r is not k and r not in taken and last[r] == start and storages[r][1] == nbytes \
-                    and storages[r][0] < start and own_buffer(r, donated):
+                    and storages[r][0] < start and own_buffer(r, donated) and not (apart and apart(k, r)):
                 taken.add(r)
                 moved[k] = start + 1
                 break
     return moved
+
+
+# ops whose loads Inductor indexes by one dimension of the kernel's loops apart from the others (a
+# pad's mask, a slice's offset, a cat's bounds): the loops cannot be merged across that dimension
+_UNMERGED = frozenset({torch.ops.aten.constant_pad_nd.default, torch.ops.aten.slice.Tensor, _CAT,
+                       torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default})
+
+
+_INDEX_PUT = torch.ops.aten.index_put.default
+
+
+def written_in_place(node: fx.Node) -> bool:
+    """An op Inductor may write over an input that dies in it (``_in_place``): a pointwise op, or on
+    CUDA an index_put (an embedding's gradient accumulated into zeros: Inductor's reinplacing pass
+    makes it an index_put_ into them; measured on an H200, torch 2.11, the 8-layer Llama's 250 MiB
+    embedding gradient was one buffer, not the zeros and a copy, 250 MiB under the estimate there
+    at budget 0.1). Not seen on the CPU, where torch 2.13 lowers it to a masked index_put of its own."""
+    return (node.target is _INDEX_PUT and not _on_cpu(node)) or pointwise_op(node)
+
+
+def writes_apart(writer, dying, inputs: Callable, src: Callable, inside: Set, key: Callable) -> bool:
+    """Whether Inductor on CUDA gives the pointwise ``writer`` a buffer of its own rather than writing
+    it over ``dying`` (a storage it reads, which dies in its kernel): the kernel also computes a
+    reduction of ``dying`` (``inside``: inlined, or a view), and the writer's body reads through a
+    pad, a slice or a cat. Inductor writes in place only where every load of the input in the fused
+    kernel has one index (``decide_inplace_update``): the reduction's loops merge the rows
+    (4 x 2048 -> 8192) and the writer's, which index one of them apart, do not. Measured on an
+    H200 (torch 2.11, benchmarks/gpu.py's 8-layer Llama, budget 0): the loss's backward read the
+    shifted labels recomputed from the batch (``constant_pad_nd``, ``slice``), its 500 MiB gradient
+    of the logits took a buffer of its own beside the logits, and the step peaked 500 MiB over this
+    model (3,255.5 MiB; Inductor's own schedule, passes/lowered_peak.py, said the same); at budget
+    0.1 the labels were saved, the gradient was written over the logits. On the CPU Inductor wrote
+    it over them in both plans (its fused loops are not compared so). An index_put (``written_in_place``)
+    is written over the tensor it puts into, nothing else."""
+    if src(writer).target is _INDEX_PUT:  # only over the tensor it puts into
+        first = next(iter(inputs(writer)), None)
+        return first is None or key(first) != dying
+    if _on_cpu(src(writer)):
+        return False
+    body, stack = [], [writer]
+    while stack:
+        for m in inputs(stack.pop()):
+            if m in inside and m not in body:
+                body.append(m)
+                stack.append(m)
+    if not any(src(m).target in _UNMERGED for m in body):
+        return False
+    for m in body:
+        target = src(m).target
+        if isinstance(target, torch._ops.OpOverload) and torch.Tag.reduction in target.tags:
+            seen, stack = {m}, [m]
+            while stack:
+                for y in inputs(stack.pop()):
+                    if key(y) == dying:
+                        return True
+                    if y in inside and y not in seen:
+                        seen.add(y)
+                        stack.append(y)
+    return False
+
+
+RERUN_OF = "remat_fx.rerun_of"  # node meta of a rerun's copy: the name of the node it copies (passes/rerun.py)
+_FUSED_WITHIN = 64  # Inductor fuses two kernels that read one buffer only this close in its order
+
+
+def fused_back(original, copy, order: list, position: dict, inputs: Callable, users: Callable, src: Callable,
+               inlined: Set, facts: dict) -> bool:
+    """Whether Inductor on CUDA computes the rerun ``copy`` (a pointwise kernel) in the kernel of its
+    ``original``: the two read the same buffers, and fewer than ``_FUSED_WITHIN`` kernels lie
+    between them (Inductor's horizontal fusion; choices.py ``are_long_distant_nodes``), so the copy's
+    output is made with the original's and the rerun frees nothing. Measured on an H200 (torch 2.11,
+    benchmarks/gpu.py's 8-layer Llama, budget 0): a rerun's cast of the LM head's weight to bf16,
+    22 nodes after the first cast, was written by the first cast's kernel, and both 125 MiB copies
+    were alive across the loss's kernel, at the step's peak. Not where either is read through a view
+    that several kernels read: Inductor realises that view, in its own index space, and the two
+    kernels' loads no longer match (in the same run the copies of two MLP weights' casts, read
+    through a transpose by three kernels, kept kernels of their own 85 nodes on). ``order`` /
+    ``position``: the program and each item's index in it; ``inputs`` / ``users``: an item's
+    producers and readers; ``inlined``: its items computed inside their readers."""
+    mine = facts.get(src(copy)) or node_facts(src(copy), facts)
+    if mine.on_cpu or not mine.pointwise or copy in inlined or original in inlined or \
+            position[copy] < position[original]:
+        return False
+    for x in (original, copy):
+        stack = list(users(x))
+        while stack:
+            y = stack.pop()
+            if (facts.get(src(y)) or node_facts(src(y), facts)).view:
+                readers_of_view = [r for r in users(y) if users(r)]  # not what nothing reads
+                if len(readers_of_view) > 1:
+                    return False
+                stack += readers_of_view
+    a, b = list(inputs(original)), list(inputs(copy))
+    if len(a) != len(b) or any(x is not y for x, y in zip(a, b)):
+        return False
+    between = 0  # Inductor's nodes between: what it materialises, and each reduction (a node of its own,
+    # fused into its reader's kernel later); not what nothing reads (a rerun's original left unread)
+    for x in order[position[original] + 1:position[copy]]:
+        node = src(x)
+        if not users(x):
+            continue
+        if (x not in inlined and not (facts.get(node) or node_facts(node, facts)).view) or \
+                (isinstance(node.target, torch._ops.OpOverload) and torch.Tag.reduction in node.target.tags):
+            between += 1
+            if between >= _FUSED_WITHIN:
+                return False
+    return True
 
 
 def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,
@@ -370,13 +480,21 @@ def _timeline(gm: fx.GraphModule, counted_inputs: Iterable[str], shared: Optiona
             found = keys[node] = shared.get(base.name, base) if base.op == "placeholder" else base
         return found
 
+    hoisted: Dict[fx.Node, int] = {}  # rerun copies Inductor computes in their originals' kernels: there
+    if inline:
+        named, facts = {n.name: n for n in nodes}, {}
+        for n in nodes:
+            original = named.get(n.meta.get(RERUN_OF))
+            if original is not None and fused_back(original, n, nodes, index, lambda x: x.all_input_nodes,
+                                                   lambda x: x.users, lambda x: x, inlined, facts):
+                hoisted[n] = index[original]
     storages: Dict[object, Tuple[int, int]] = {}
     for node in nodes:
         k = key(node)
         if k not in storages:
             base = storage_base(node)
             producer = index.get(base.args[0]) if base.target is operator.getitem else None
-            storages[k] = allocation(base, index.get(base, 0), producer, counted, base in inlined)
+            storages[k] = allocation(base, hoisted.get(base, index.get(base, 0)), producer, counted, base in inlined)
     memo: dict = {}
     # a view reads what its input reads: the kernel that reads a view of an inlined op computes that
     # op (a 16-layer Llama's logits, read by the loss's inlined softmax through a view, were counted
@@ -387,10 +505,12 @@ def _timeline(gm: fx.GraphModule, counted_inputs: Iterable[str], shared: Optiona
     outputs: Set[object] = {key(n) for n in nodes if held_to_end(n)}  # alive to the end, as the outputs
     fx.node.map_arg(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args,
                     lambda n: outputs.add(key(n)))
-    writers = {key(n) for n in nodes if n not in inlined and pointwise_op(n)} if inline else None
+    writers = {key(n) for n in nodes if n not in inlined and n not in hoisted and written_in_place(n)} \
+        if inline else None
     donated = set(donated)
     live, last = liveness(len(nodes), storages, reads, outputs, writers,
-                          {key(n) for n in nodes if n.op == "placeholder" and n.name in donated})
+                          {key(n) for n in nodes if n.op == "placeholder" and n.name in donated},
+                          lambda w, r: writes_apart(w, r, lambda x: x.all_input_nodes, lambda x: x, inside, key))
     return nodes, storages, outputs, live, last
 
 

@@ -58,7 +58,8 @@ import torch.fx as fx
 
 from remat_fx.passes.capture import is_random, numbered_block
 from remat_fx.passes.cost import flops
-from remat_fx.passes.peak import allocation, held_to_end, inlined_nodes, is_view, liveness, node_facts, storage_bytes
+from remat_fx.passes.peak import (RERUN_OF, allocation, fused_back, held_to_end, inlined_nodes, is_view, liveness,
+                                  node_facts, storage_bytes, writes_apart)
 
 RERUN = "remat_fx.rerun"  # node meta of a copy: the number of its rerun (1, 2, ...)
 
@@ -133,6 +134,10 @@ class _Program:
         self.seconds: Dict[fx.Node, float] = {}  # the cost model's time of each node
         self.to_end = [item for item in self.items if held_to_end(item.src)]  # alive to the end (never copied)
         self.blocks: Dict[fx.Node, Optional[str]] = {}  # a node's numbered block (``model.layers.3``)
+        named = {item.src.name: item for item in self.items}  # copies an earlier rerun made: their originals
+        self.on_cpu = all(node_facts(item.src, self.facts).on_cpu for item in self.items)  # CUDA's rules apart
+        self.marked = {item: named[item.src.meta[RERUN_OF]] for item in self.items
+                       if item.src.meta.get(RERUN_OF) in named}
 
     def block(self, node: fx.Node) -> Optional[str]:
         """``capture.numbered_block(node)``, looked up once per node."""
@@ -154,6 +159,37 @@ class _Program:
         memo[item] = key
         return key
 
+    def _apart(self, items: List[_Item], inlined: Set[_Item], memo: dict) -> Callable:
+        """passes/peak.py ``writes_apart`` over this program's items (what a kernel computes inside
+        it: the items inlined, and views), the set built on the first question only."""
+        inside: List[Set[_Item]] = []
+
+        def apart(writer, dying) -> bool:
+            if not inside:
+                inside.append(inlined | {item for item in items if node_facts(item.src, self.facts).view})
+            return writes_apart(writer, dying, lambda x: x.ins.values(), lambda x: x.src, inside[0],
+                                lambda x: memo[x] if x in memo else self.root(x, memo))
+        return apart
+
+    def _hoisted(self, items: List[_Item], inlined: Set[_Item], position: Dict[_Item, int],
+                 users: Dict[_Item, List[_Item]]) -> Dict[_Item, int]:
+        """{copy: its original's position} for the copies Inductor computes in their original's
+        kernel (passes/peak.py ``fused_back``); an original no longer read is not computed."""
+        if self.on_cpu:
+            return {}
+        copied = {item.src for item in items if item.copy}
+        if not copied and not self.marked:
+            return {}
+        originals = {item.src: item for item in items if not item.copy and item.src in copied and item in users}
+        found = {}
+        for item in items:
+            original = originals.get(item.src) if item.copy else self.marked.get(item)
+            if original is not None and original in users and \
+                    fused_back(original, item, items, position, lambda x: x.ins.values(), lambda x: users.get(x, ()),
+                               lambda x: x.src, inlined, self.facts):
+                found[item] = position[original]
+        return found
+
     def simulate(self):
         """Liveness of the program as passes/peak.simulate counts it (with ``inline``, as Inductor
         runs it): (live bytes per position, root of each position, start, last, uses, size by root,
@@ -173,6 +209,7 @@ class _Program:
                         users[m] = [item]
             inlined = inlined_nodes(items, lambda x: x.ins.values(), lambda x: users.get(x, ()), lambda x: x.src,
                                     self.facts)
+        hoisted = self._hoisted(items, inlined, position, users) if self.inline else {}
         storages: Dict[object, tuple] = {}
         nbytes = self.nbytes
         for i, (item, r) in enumerate(zip(items, roots)):
@@ -182,7 +219,7 @@ class _Program:
                 size = nbytes.get(src)
                 if size is None:
                     size = nbytes[src] = storage_bytes(src)
-                storages[r] = allocation(src, i, producer, self.counted, item in inlined, size)
+                storages[r] = allocation(src, hoisted.get(item, i), producer, self.counted, item in inlined, size)
         end = len(items) - 1  # the output
         # what each position reads, as storage roots: its inputs', and through an inlined input
         # (computed inside it) or a view of one what that one reads (passes/peak.py reads_through,
@@ -211,10 +248,10 @@ class _Program:
                 if self.inline and (facts.get(item.src) or node_facts(item.src, facts)).view:
                     through[item] = keys
         outputs = {memo[m] for m in items[end].ins.values()} | {memo[item] for item in self.to_end}
-        writers = {roots[i] for i, item in enumerate(items[:end])
-                   if item not in inlined and node_facts(item.src, self.facts).pointwise} \
-            if self.inline else None
-        live, last = liveness(end, storages, reads[:end], outputs, writers, {memo[item] for item in self.donated})
+        writers = {roots[i] for i, item in enumerate(items[:end]) if item not in inlined and item not in hoisted
+                   and (facts.get(item.src) or node_facts(item.src, facts)).in_place} if self.inline else None
+        live, last = liveness(end, storages, reads[:end], outputs, writers, {memo[item] for item in self.donated},
+                              self._apart(items, inlined, memo) if self.inline else None)
         start = {k: v[0] for k, v in storages.items()}
         size = {k: v[1] for k, v in storages.items()}
         return live, roots, start, last, uses, size, inlined, position
@@ -739,7 +776,7 @@ def _materialize(bw: fx.GraphModule, items: List[_Item]) -> fx.GraphModule:
             raise RuntimeError(f"remat_fx: rerun could not keep the name {name!r} ({node.name!r})")
         node.meta = dict(src.meta)
         if item.copy:
-            node.meta[RERUN] = item.copy
+            node.meta[RERUN], node.meta[RERUN_OF] = item.copy, src.name
         env[id(item)] = node
     graph.eliminate_dead_code()  # originals of views whose users now read copies, and unread reruns (_tally)
     copies = [node for node in graph.nodes if node.meta.get(RERUN)]
