@@ -354,3 +354,47 @@ def test_call_site_policy_outside_regions_decides_nothing():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     plan = remat.last_plan()
     assert plan.backward_ops["mm"] == 2 and "l" in {s.name for s in plan.saved}
+
+
+def test_the_partitions_modules_write_their_code_when_first_called(monkeypatch):
+    """passes/lazy_module.py: the forward and backward the partition hands back are lazy graph
+    modules (``torch.fx._lazy_graph_module._LazyGraphModule``, private; checked on torch 2.13 and
+    2.14 here, 2.11 on the GPU image), whose Python code is written when first called: a plan
+    search that makes a dozen backwards writes the code of none of them (benchmarks/planning.py),
+    the one PyTorch's partitioner reorders included (``lazy_reordering``, undone after).
+    The compiled step's gradients are those of the model run eagerly."""
+    from torch._functorch import partitioners
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    from remat_fx.passes import lower
+
+    reordering = partitioners.reordering_to_mimic_autograd_engine
+    handed, raised = [], []
+    real, real_raise = lower.partition, partitioners.raise_getitems
+
+    def spy(*args, **kwargs):
+        fw, bw = real(*args, **kwargs)
+        handed.append((fw, bw, type(bw)._needs_recompile()))
+        return fw, bw
+
+    def raise_getitems(gm):  # the min-cut raises the getitems of the forward, then the reordered backward
+        raised.append(isinstance(gm, _LazyGraphModule))
+        return real_raise(gm)
+
+    monkeypatch.setattr(lower, "partition", spy)
+    monkeypatch.setattr(partitioners, "raise_getitems", raise_getitems)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(4)])
+    x = torch.randn(8, 16)
+    params = list(model.parameters())
+    want = torch.autograd.grad(model(x).pow(2).sum(), params)
+    f = _compile(model, memory_budget=0.0)
+    got = torch.autograd.grad(f(x).pow(2).sum(), params)
+    assert len(handed) == 1
+    fw, bw, unwritten = handed[0]
+    assert isinstance(fw, _LazyGraphModule) and isinstance(bw, _LazyGraphModule)
+    assert unwritten, "the backward's code was written before it was called"
+    assert raised and all(raised), raised  # not written again there (lazy_reordering)
+    assert partitioners.reordering_to_mimic_autograd_engine is reordering  # PyTorch's, once the partition is done
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

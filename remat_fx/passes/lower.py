@@ -26,6 +26,7 @@ from remat_fx.memory_budget import fmt_bytes
 from remat_fx.options import BackendOptions
 from remat_fx.passes import lowered_peak
 from remat_fx.passes.capture import decompositions
+from remat_fx.passes.lazy_module import write_code
 from remat_fx.passes.lowered_peak import reading_schedules
 from remat_fx.passes.partition import partition
 from remat_fx.passes.peak import PeakEstimate, PeakInfeasible, backward_inputs
@@ -71,6 +72,7 @@ def _run_eagerly(gm, example_inputs):
     each input (a saved activation, in backward) is freed after its last use, as Inductor's code does."""
     gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
     gm.recompile()
+    write_code(gm)  # now, not at its first call (passes/lazy_module.py)
 
     def run(args):
         return gm.forward(args)

@@ -31,6 +31,7 @@ from remat_fx.options import BackendOptions, RematError, monotone_levels
 from remat_fx.passes.budget import apply_budget, budgets_of
 from remat_fx.passes.capture import is_random, read_joint
 from remat_fx.passes.cost import CostModel, node_device
+from remat_fx.passes.lazy_module import lazy, lazy_reordering
 from remat_fx.passes.peak import FINAL_ALIKE, backward_inputs, fit_peak, lower_peak, monotone_peak, simulate
 from remat_fx.passes.peak import estimate as estimate_peak
 from remat_fx.passes.rerun import rerun_for_peak
@@ -92,9 +93,10 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
     cost = CostModel(options.cost_model, options.lower, node_device(placeholders), options.roofline)
 
     def min_cut():
-        return min_cut_rematerialization_partition(
+        fw, bw = min_cut_rematerialization_partition(
             joint_gm, joint_inputs, compiler="inductor", num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_indices=static_lifetime_input_indices, **kwargs)
+        return lazy(fw), lazy(bw)  # their code is written when called (passes/lazy_module.py)
 
     parts: dict = {}  # the partition of a set of tags, scheduled, before reruns: made once
 
@@ -131,7 +133,8 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         return fw, bw, plan
 
     # our budget, not PyTorch's (its global knob would otherwise re-decide the min-cut's plan)
-    with torch._functorch.config.patch(activation_memory_budget=1.0, cse=False), _rng_ops_that_draw():
+    with torch._functorch.config.patch(activation_memory_budget=1.0, cse=False), _rng_ops_that_draw(), \
+            lazy_reordering():
         fw0, bw0 = min_cut()
         plan0 = build_plan(joint, tags, fw0, bw0, num_fwd_outputs, params, options.lower, cost)
         budgets = budgets_of(joint, options)

@@ -58,6 +58,7 @@ import torch.fx as fx
 
 from remat_fx.passes.capture import is_random, numbered_block
 from remat_fx.passes.cost import flops
+from remat_fx.passes.lazy_module import new_module
 from remat_fx.passes.peak import (RERUN_OF, allocation, fused_back, held_to_end, inlined_nodes, is_view, liveness,
                                   node_facts, storage_bytes, writes_apart)
 
@@ -784,5 +785,5 @@ def _materialize(bw: fx.GraphModule, items: List[_Item]) -> fx.GraphModule:
     for node in copies:  # numbered 1, 2, ... as the report counts them
         node.meta[RERUN] = number[node.meta[RERUN]]
     graph.lint()
-    return fx.GraphModule(bw, graph)
+    return new_module(bw, graph)
 
