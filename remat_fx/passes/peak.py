@@ -153,6 +153,7 @@ def inlined_nodes(order: Iterable, inputs: Callable, users: Callable, src: Calla
     body_of: Dict[object, Tuple[bool, Set]] = {}  # (has a heavy op, buffers read) of inlined bodies
     addmm: Set = set()  # adds that take in an mm: an addmm kernel of their own
     mm = torch.ops.aten.mm.default
+    threshold = config.realize_reads_threshold
     for x in order:
         node = src(x)
         if node.target is mm:
@@ -171,14 +172,16 @@ def inlined_nodes(order: Iterable, inputs: Callable, users: Callable, src: Calla
                 any((facts.get(n) or node_facts(n, facts)).indexed for n in map(src, found)):
             continue  # a reduction (or a copy) read at computed indices is realised first; not an
             # op that reads no tensor (an iota: Inductor computes the index inside the load)
+        body = None
         if len(found) <= 1:
             inlined.add(x)
         elif mine.pointwise or mine.indexed or mine.reads_none:  # Inductor's Pointwise IR
-            heavy, reads = _body(x, node, inputs, src, inlined, body_of, facts)
-            if not (heavy and mine.on_cpu) and len(reads) <= config.realize_reads_threshold:
+            body = _body(x, node, inputs, src, inlined, body_of, facts)
+            if not (body[0] and mine.on_cpu) and len(body[1]) <= threshold:
                 inlined.add(x)
         if x in inlined:  # what a reader's body reads through it: a realised reduction is one buffer
-            body_of[x] = (False, {mine.base}) if mine.reduced else _body(x, node, inputs, src, inlined, body_of, facts)
+            body_of[x] = (False, {mine.base}) if mine.reduced else \
+                body or _body(x, node, inputs, src, inlined, body_of, facts)
     return inlined
 
 
