@@ -34,7 +34,7 @@ from remat_fx.passes.cost import CostModel, node_device
 from remat_fx.passes.lazy_module import lazy, lazy_reordering
 from remat_fx.passes.peak import FINAL_ALIKE, backward_inputs, fit_peak, lower_peak, monotone_peak, simulate
 from remat_fx.passes.peak import estimate as estimate_peak
-from remat_fx.passes.rerun import rerun_for_peak
+from remat_fx.passes.rerun import Searched, rerun_for_peak
 from remat_fx.passes.plan import build_plan, record
 from remat_fx.passes.schedule import schedule_recompute
 from remat_fx.passes.tag import tag_joint
@@ -99,6 +99,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         return lazy(fw), lazy(bw)  # their code is written when called (passes/lazy_module.py)
 
     parts: dict = {}  # the partition of a set of tags, scheduled, before reruns: made once
+    rerun_searches = Searched()  # the rerun searches' programs: a backward searched again starts from them
 
     def partitioned(key, make):
         """(fw, bw, plan) of the partition ``make()`` returns, scheduled and timed, made once per
@@ -128,7 +129,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                         None if cap is not None or least else
                         _rerun_allowance(plan, fastest_s, options, checkpointed_s),
                         options.peak_budget is None,  # the envelope's cap may be shortened, a byte peak_budget's not
-                        cap is not None and plan.budget is not None and plan.budget.at_minimum)
+                        cap is not None and plan.budget is not None and plan.budget.at_minimum, rerun_searches)
         plan.peak = estimate_peak(fw, bw, num_fwd_outputs, inline=options.lower == "inductor")
         return fw, bw, plan
 
@@ -328,14 +329,15 @@ def _rerun_allowance(plan, fastest_s, options, checkpointed_s) -> Optional[float
     return max(0.0, base * (1 + options.peak_slack) - plan.step_cost_s)
 
 
-def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap, allowance, shortenable, blocks_first=False):
+def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap, allowance, shortenable, blocks_first=False, searched=None):
     """The backward with values recomputed a second time where that lowers the step's peak;
-    ``shortenable``: its last reruns may be dropped where the step peaks elsewhere (passes/lower.py)."""
+    ``shortenable``: its last reruns may be dropped where the step peaks elsewhere (passes/lower.py);
+    ``searched``: the planning's record of the rerun searches made (passes/rerun.py rerun_for_peak)."""
     inputs = backward_inputs(fw, bw, num_fwd_outputs)
     inline = cost.lower == "inductor"  # liveness as Inductor runs it (pointwise ops inside their user)
     bw, report = rerun_for_peak(bw, inputs.counted, inputs.shared, inputs.held, simulate(fw, inline=inline)[0], cost,
                                 allowance, cap, _MIN_GAIN_INDUCTOR if inline else _MIN_GAIN, inline, donated=inputs.donated,
-                                shortenable=shortenable, blocks_first=blocks_first)
+                                shortenable=shortenable, blocks_first=blocks_first, searched=searched)
     plan.rerun = report
     plan.backward_flops += report.flops
     plan.recompute_flops += report.flops

@@ -258,6 +258,38 @@ class _Program:
         return live, roots, start, last, uses, size, inlined, position
 
 
+class Searched:
+    """The rerun searches of one planning (``rerun_for_peak``'s ``searched``): each backward's
+    program and its liveness before any rerun, and each program a search made, by the program and
+    the rerun it came from, with its liveness. Under a time allowance the search runs twice, with
+    two rankings that take the same reruns on most steps, and the peak searches search one
+    partition's backward again toward a cap, whose first steps are most often those taken before:
+    each program is simulated once. (The 8-layer Llama of benchmarks/planning.py at budget 0: 225
+    programs simulated where there were 348, the same plans.) A program and its liveness take about
+    330 bytes per position (measured there: 468,000 positions kept, 153 MiB): the first
+    ``per_backward`` programs made from each backward are kept (the steps searches share are the
+    first ones), up to ``limit`` positions in all (about 100 MB; the Llama: 229,000 positions, the
+    planning's resident memory 77 MiB over its 832 without them, the same 225 simulations), and
+    none after that. The backwards' own programs are kept besides (one per partition searched)."""
+
+    limit = 300_000
+    per_backward = 32
+
+    def __init__(self):
+        self.backwards: dict = {}
+        self.programs: dict = {}
+        self.made: Dict[int, int] = {}  # programs kept, by the backward (the id of its _Program)
+        self.positions = 0
+
+    def keep(self, key, backward: int, before, items, sim, state) -> None:
+        """``before`` is kept with its program: the key holds its id."""
+        if self.positions + len(items) > self.limit or self.made.get(backward, 0) >= self.per_backward:
+            return
+        self.positions += len(items)
+        self.made[backward] = self.made.get(backward, 0) + 1
+        self.programs[key] = (before, items, sim, state)
+
+
 @dataclass
 class _State:
     peak: int  # the step's: the backward's, or the floor if higher
@@ -269,7 +301,8 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
                    cost: Callable[[fx.Node], float], allowance: Optional[float] = None, cap: Optional[int] = None,
                    min_gain: float = 0.0, inline: bool = False, max_closure: int = 256,
                    tries: int = 6, patience: int = 40, max_reruns: int = 2000, donated: Set[str] = frozenset(),
-                   shortenable: Optional[bool] = None, blocks_first: bool = False):
+                   shortenable: Optional[bool] = None, blocks_first: bool = False,
+                   searched: Optional["Searched"] = None):
     """(backward graph with the reruns, RerunReport); ``bw`` itself is left as it was.
     ``counted``/``shared``: as passes/peak.simulate; ``held``: bytes the forward leaves alive beyond
     the backward's inputs (its other outputs); ``floor``: the forward's peak (the step's peak cannot
@@ -280,9 +313,19 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     (passes/peak.simulate); ``donated``: saved placeholders donated to it (passes/peak.backward_inputs);
     ``shortenable``: whether ``shorten`` may drop the last reruns when the step peaks elsewhere (default:
     without a cap; a peak_budget keeps what it chose, the monotone envelope's cap need not);
-    ``blocks_first``: toward a ``cap`` too, also the search with whole blocks first (budget 0's cap)."""
+    ``blocks_first``: toward a ``cap`` too, also the search with whole blocks first (budget 0's cap);
+    ``searched``: what the searches of one planning found (``Searched``), kept by the caller while it
+    plans: a backward searched again (under another time allowance, toward a cap) starts from there."""
     t0 = time.perf_counter()
-    prog = _Program(bw, counted, shared, inline, donated)
+    memo = Searched() if searched is None else searched
+    key = (id(bw), id(cost), frozenset(counted), tuple(sorted(shared.items())), inline, frozenset(donated), held,
+           floor)  # the program memoises ``cost``'s times
+    found = memo.backwards.get(key)
+    if found is None:
+        prog = _Program(bw, counted, shared, inline, donated)
+    else:
+        _, prog, start = found
+        prog.items = start[0]
     report = RerunReport(allowance_s=allowance)
 
     def state():
@@ -292,7 +335,11 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
         width = sum(1 for v in live[0] if held + v >= step) if peak >= floor else 0
         return live, _State(step, width, peak)
 
-    sim, cur = state()
+    if found is None:
+        sim, cur = state()
+        memo.backwards[key] = ((bw, cost), prog, (prog.items, sim, cur))  # kept: their ids stay their own
+    else:
+        _, sim, cur = found[2]
     report.peak_before = report.peak_after = cur.peak
     backward0 = cur.backward
     # under a time allowance the search runs twice, ranking candidates by what they cut off the top
@@ -306,7 +353,7 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     for by_cut, blocks in ways:
         prog.items = items0  # the backward without reruns
         history = _search(prog, state, sim, cur, held, floor, cost, allowance, cap, max_closure, tries, patience,
-                          max_reruns, by_cut, blocks)
+                          max_reruns, by_cut, blocks, memo=memo)
         kept.append(history[:_prefix(history, report.peak_before, cap, min_gain)])
     keep = _choose(kept, cur) if ways[-1][1] else min(kept, key=lambda found: _outcome(found, cur))
     if len(keep) > 1 and not inline:  # under Inductor: see _prune
@@ -323,11 +370,14 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
 
 
 def _search(prog: _Program, state, sim, cur: _State, held: int, floor: int, cost, allowance, cap, max_closure: int,
-            tries: int, patience: int, max_reruns: int, by_cut: bool, blocks: bool = False) -> list:
+            tries: int, patience: int, max_reruns: int, by_cut: bool, blocks: bool = False,
+            memo: Optional["Searched"] = None) -> list:
     """The greedy search from the program ``prog`` holds (its liveness ``sim``, state ``cur``): the
     history (items, state, FX name, nodes, seconds so far) after each rerun taken. ``by_cut``: rank
     candidates first by what they cut off the top of the backward's live bytes (``_cut_above``);
-    ``blocks``: whole numbered blocks first (_candidates), until a step takes a single value."""
+    ``blocks``: whole numbered blocks first (_candidates), until a step takes a single value;
+    ``memo``: the programs earlier searches made (``Searched``)."""
+    memo = Searched() if memo is None else memo
     history = []
     offer = blocks
     best = (cur.peak, 0)
@@ -343,8 +393,16 @@ def _search(prog: _Program, state, sim, cur: _State, held: int, floor: int, cost
         affordable = [c for c in candidates if allowance is None or spent + c[2]["seconds"] <= allowance]
         for score, root, plan in affordable[:tries]:
             before = prog.items
-            prog.items = _apply(prog.items, plan, len(history) + 1)
-            new_sim, new = state()
+            # the searches of one backward often try the same rerun on the same program (the two
+            # rankings under a time allowance agree on most steps): each program is simulated once
+            key = (id(before), tuple(map(id, plan["closure"])), plan["at"], len(history) + 1)
+            found = memo.programs.get(key)
+            if found is None:
+                prog.items = _apply(before, plan, len(history) + 1)
+                new_sim, new = state()
+                memo.keep(key, id(prog), before, prog.items, new_sim, new)
+            else:
+                _, prog.items, new_sim, new = found
             if (new.peak, new.width) < (cur.peak, cur.width):
                 taken = (root, plan)
                 sim, cur = new_sim, new
@@ -493,11 +551,20 @@ def _prune(prog: _Program, keep: list, state) -> list:
         prog.items = items
         spent += seconds[k]
         out.append((items, state()[1], keep[k][2], keep[k][3], spent))
-    # the reruns left numbered 1, 2, ... again (passes/lower.py tells reruns apart by number); the
-    # programs share their items, and nothing reads the numbers of the programs let go
+    # the reruns left numbered 1, 2, ... again (passes/lower.py tells reruns apart by number), in
+    # new items: the programs the searches made (rerun.Searched) keep theirs
     number = {k + 1: j for j, k in enumerate(left, 1)}
-    for item in {item for h in out for item in h[0] if item.copy}:
-        item.copy = number[item.copy]
+    made: Dict[_Item, _Item] = {}
+    for n, h in enumerate(out):
+        items = []
+        for item in h[0]:  # in program order: an item's inputs are made before it
+            found = made.get(item)
+            if found is None:
+                ins = {m: made[p] for m, p in item.ins.items()}
+                changed = item.copy or any(ins[m] is not p for m, p in item.ins.items())
+                found = made[item] = _Item(item.src, ins, number[item.copy] if item.copy else 0) if changed else item
+            items.append(found)
+        out[n] = (items, *h[1:])
     prog.items = out[-1][0]
     return out
 
@@ -622,14 +689,14 @@ def _candidates(prog: _Program, live, roots, start, last, uses, size, inlined, i
                     freed_roots.append(root)
             if freed <= 0:
                 continue
-            nodes = [it.src for it in closure]
+            order = sorted(closure, key=index.__getitem__)
+            nodes = [it.src for it in order]  # summed in program order: the same score on every run
             seconds = 0.0
             for n in nodes:
                 c = seconds_of.get(n)
                 if c is None:
                     c = seconds_of[n] = cost(n)
                 seconds += c
-            order = sorted(closure, key=index.__getitem__)
             score = freed / (seconds + 1e-9)
             if level is not None:
                 score = (_cut_above(profile, level, freed_roots, extended, u, t_star, start, last, uses, size)
