@@ -162,7 +162,8 @@ class _Program:
 
     def _apart(self, items: List[_Item], inlined: Set[_Item], memo: dict) -> Callable:
         """passes/peak.py ``writes_apart`` over this program's items (what a kernel computes inside
-        it: the items inlined, and views), the set built on the first question only."""
+        it: the items inlined, and views), the set built on the first question only; not asked on
+        the CPU, where it is always False."""
         inside: List[Set[_Item]] = []
 
         def apart(writer, dying) -> bool:
@@ -252,7 +253,7 @@ class _Program:
         writers = {roots[i] for i, item in enumerate(items[:end]) if item not in inlined and item not in hoisted
                    and (facts.get(item.src) or node_facts(item.src, facts)).in_place} if self.inline else None
         live, last = liveness(end, storages, reads[:end], outputs, writers, {memo[item] for item in self.donated},
-                              self._apart(items, inlined, memo) if self.inline else None)
+                              self._apart(items, inlined, memo) if self.inline and not self.on_cpu else None)
         start = {k: v[0] for k, v in storages.items()}
         size = {k: v[1] for k, v in storages.items()}
         return live, roots, start, last, uses, size, inlined, position
