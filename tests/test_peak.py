@@ -305,12 +305,14 @@ def test_budget_zero_is_held_in_per_layer_checkpointings_time_and_the_step_plann
         assert zero.rerun.allowance_s is not None and zero.rerun.cost_s <= zero.rerun.allowance_s
 
 
-def test_budget_zero_toward_its_cap_also_reruns_whole_blocks_first(monkeypatch):
-    """Budget 0's reruns toward the envelope's cap (budget 0.05's plan) run two searches on a backward
-    of numbered blocks: value by value, and whole blocks first (on benchmarks/gpu.py's Llama the
-    blocks' plan is kept: 40 kernels compiled instead of 55). A 6-block GPT's joint graph planned
-    for Inductor, nothing lowered: here the blocks' search does not reach the cap, so the values'
-    plan is kept, and it meets the cap."""
+@pytest.mark.parametrize("shape, blocks_meet", [((6, 32, 32, 64), False), ((4, 64, 64, 64), True)])
+def test_budget_zero_toward_its_cap_also_reruns_whole_blocks_first(monkeypatch, shape, blocks_meet):
+    """Budget 0's reruns toward the envelope's cap (budget 0.05's plan) on a backward of numbered
+    blocks search whole blocks first, and value by value only where the blocks' plan does not meet
+    the cap (on benchmarks/gpu.py's Llama it does: 40 kernels compiled instead of 55). GPTs' joint
+    graphs planned for Inductor, nothing lowered: on 6 blocks (d_model 32) the blocks' search does not
+    reach the cap, so the values' search runs, and its plan, which meets the cap, is kept; on 4
+    blocks (d_model 64) the blocks' plan meets it, is kept, and the values' search is not run."""
     import remat_fx.passes.rerun as rerun
     from remat_fx.options import parse_options
     from remat_fx.passes import partition
@@ -318,9 +320,10 @@ def test_budget_zero_toward_its_cap_also_reruns_whole_blocks_first(monkeypatch):
     from tests.test_budget import GPT, GPTConfig, random_batch
 
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab=64, seq=32, d_model=32, n_head=2, n_layer=6)
+    n_layer, d_model, seq, vocab = shape
+    cfg = GPTConfig(vocab=vocab, seq=seq, d_model=d_model, n_head=2, n_layer=n_layer)
     ((gm, joint_inputs, kwargs),) = _capture(GPT(cfg), random_batch(cfg, 2), {})
-    searches, real = [], rerun._search
+    searches, calls, real, real_call = [], [], rerun._search, partition.rerun_for_peak
 
     def spy(prog, state, sim, cur, held, floor, cost, allowance, cap, *args, **kwargs):
         history = real(prog, state, sim, cur, held, floor, cost, allowance, cap, *args, **kwargs)
@@ -328,17 +331,29 @@ def test_budget_zero_toward_its_cap_also_reruns_whole_blocks_first(monkeypatch):
         searches.append((cap, args[-1], kept[-1][1].peak if kept else cur.peak, rerun._copied(kept)))
         return history
 
+    def spy_call(*args, **kwargs):
+        calls.append(len(searches))  # where each backward's searches start
+        return real_call(*args, **kwargs)
+
     monkeypatch.setattr(rerun, "_search", spy)
+    monkeypatch.setattr(partition, "rerun_for_peak", spy_call)
     with _tracing(joint_inputs):
         partition.partition(gm, joint_inputs, options=parse_options({"lower": "inductor", "memory_budget": 0.0}),
                             **kwargs)
     zero = remat.last_plan()
-    (cap, blocks, values_peak, values_nodes), (cap2, blocks2, blocks_peak, _) = searches[-2:]
-    assert cap is not None and cap == cap2 == zero.budget.held_under and (blocks, blocks2) == (False, True)
-    assert values_peak <= cap < blocks_peak, searches[-2:]
-    assert zero.rerun.nodes == values_nodes and zero.peak.step <= zero.budget.held_under
+    last = searches[calls[-1]:]  # budget 0's own searches, toward the cap
+    assert [b for _, b, _, _ in last] == ([True] if blocks_meet else [True, False]), last
+    cap, _, blocks_peak, blocks_nodes = last[0]
+    assert cap is not None and cap == zero.budget.held_under and all(c == cap for c, _, _, _ in last)
+    if blocks_meet:
+        assert blocks_peak <= cap and zero.rerun.nodes == blocks_nodes
+    else:
+        _, _, values_peak, values_nodes = last[1]
+        assert values_peak <= cap < blocks_peak, last
+        assert zero.rerun.nodes == values_nodes
+    assert zero.peak.step <= zero.budget.held_under
     # the searches above the minimum, toward a cap or within an allowance, go value by value only
-    assert all(not b for _, b, _, _ in searches[:-1])
+    assert all(not b for _, b, _, _ in searches[:calls[-1]])
 
 
 @pytest.mark.parametrize("lower", ["inductor", "eager"])

@@ -314,7 +314,8 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     (passes/peak.simulate); ``donated``: saved placeholders donated to it (passes/peak.backward_inputs);
     ``shortenable``: whether ``shorten`` may drop the last reruns when the step peaks elsewhere (default:
     without a cap; a peak_budget keeps what it chose, the monotone envelope's cap need not);
-    ``blocks_first``: toward a ``cap`` too, also the search with whole blocks first (budget 0's cap);
+    ``blocks_first``: toward a ``cap`` too, the search with whole blocks first (budget 0's cap): it
+    runs before the value-by-value one, which runs only where the blocks' plan does not meet the cap;
     ``searched``: what the searches of one planning found (``Searched``), kept by the caller while it
     plans: a backward searched again (under another time allowance, toward a cap) starts from there."""
     t0 = time.perf_counter()
@@ -347,16 +348,21 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     # of the backward's live bytes and by the bytes they free at its peak, and keeps the better
     items0 = prog.items
     ways = [(True, False), (False, False)] if allowance is not None else [(False, False)]
-    if _BLOCKS_FIRST and allowance is None and (cap is None or blocks_first) and \
-            len({prog.block(n) for n in prog.rerunnable} - {None}) > 1:
-        ways.append((False, True))  # the lowest peak (or budget 0's cap), on a backward of numbered blocks
+    with_blocks = _BLOCKS_FIRST and allowance is None and (cap is None or blocks_first) and \
+        len({prog.block(n) for n in prog.rerunnable} - {None}) > 1
+    if with_blocks:  # the lowest peak (or budget 0's cap), on a backward of numbered blocks
+        # toward a cap the blocks' search runs first, and where it meets the cap the values' is not
+        # run: its plan copies fewer nodes (what Inductor lowers and compiles in the first step)
+        ways = [(False, True)] + ways if cap is not None else ways + [(False, True)]
     kept = []
     for by_cut, blocks in ways:
         prog.items = items0  # the backward without reruns
         history = _search(prog, state, sim, cur, held, floor, cost, allowance, cap, max_closure, tries, patience,
                           max_reruns, by_cut, blocks, memo=memo)
         kept.append(history[:_prefix(history, report.peak_before, cap, min_gain)])
-    keep = _choose(kept, cur) if ways[-1][1] else min(kept, key=lambda found: _outcome(found, cur))
+        if blocks and cap is not None and kept[-1] and kept[-1][-1][1].peak <= cap:
+            break
+    keep = _choose(kept, cur) if with_blocks else min(kept, key=lambda found: _outcome(found, cur))
     if len(keep) > 1 and not inline:  # under Inductor: see _prune
         keep = _prune(prog, keep, state)
     if keep:
