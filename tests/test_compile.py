@@ -356,12 +356,61 @@ def test_call_site_policy_outside_regions_decides_nothing():
     assert plan.backward_ops["mm"] == 2 and "l" in {s.name for s in plan.saved}
 
 
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_remats_reordering_of_the_backward_is_pytorchs(monkeypatch, model):
+    """passes/engine_order.py ``reorder``, which the partition puts in the place of PyTorch's
+    ``reordering_to_mimic_autograd_engine`` (private; checked here on the installed torch: 2.13,
+    2.14 in CI's selection): at every min-cut of budget 0's planning (recomputed forward ops placed
+    among the gradient ops), PyTorch's function run on the same backward gives the same nodes in the
+    same order (op, name, target, arguments), and remat's module is lazy (its code unwritten)."""
+    from torch._functorch import partitioners
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    from remat_fx.options import parse_options
+    from remat_fx.passes import engine_order, partition
+    from remat_fx.pareto import _capture, _tracing
+
+    torch.manual_seed(0)
+    if model == "gpt":
+        from tests.test_budget import GPT, GPTConfig, random_batch
+        cfg = GPTConfig(vocab=64, seq=32, d_model=32, n_head=2, n_layer=3)
+        module, args = GPT(cfg), random_batch(cfg, 2)
+    else:
+        import transformers
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=2,
+                                       num_key_value_heads=1, vocab_size=64, max_position_embeddings=16, use_cache=False)
+        llama = transformers.LlamaForCausalLM(cfg)
+        ids = torch.randint(0, 64, (2, 16))
+        module, args = (lambda ids: llama(ids, labels=ids).loss), (ids,)
+    ((gm, joint_inputs, kwargs),) = _capture(module, args, {})
+    pytorchs, ours_of, compared = partitioners.reordering_to_mimic_autograd_engine, engine_order.reorder, []
+
+    def spell(g: torch.fx.GraphModule):
+        return [(n.op, n.name, str(n.target), str(n.args), str(n.kwargs)) for n in g.graph.nodes]
+
+    def both(bw):
+        ours = ours_of(bw)
+        theirs = pytorchs(bw)
+        compared.append((len(bw.graph.nodes), spell(ours) == spell(theirs),
+                         isinstance(ours, _LazyGraphModule) and type(ours)._needs_recompile()))
+        assert spell(ours) == spell(theirs)
+        return ours
+
+    monkeypatch.setattr(engine_order, "reorder", both)
+    with _tracing(joint_inputs):
+        partition.partition(gm, joint_inputs, options=parse_options({"lower": "inductor", "memory_budget": 0.0}),
+                            **kwargs)
+    assert partitioners.reordering_to_mimic_autograd_engine is pytorchs
+    assert len(compared) >= 2 and all(same and lazy for _, same, lazy in compared), compared
+    assert remat.last_plan().recomputed_fx  # budget 0: the backward recomputes forward ops
+
+
 def test_the_partitions_modules_write_their_code_when_first_called(monkeypatch):
     """passes/lazy_module.py: the forward and backward the partition hands back are lazy graph
     modules (``torch.fx._lazy_graph_module._LazyGraphModule``, private; checked on torch 2.13 and
     2.14 here, 2.11 on the GPU image), whose Python code is written when first called: a plan
     search that makes a dozen backwards writes the code of none of them (benchmarks/planning.py),
-    the one PyTorch's partitioner reorders included (``lazy_reordering``, undone after).
+    the one PyTorch's partitioner reorders included (passes/engine_order.py, undone after).
     The compiled step's gradients are those of the model run eagerly."""
     from torch._functorch import partitioners
     from torch.fx._lazy_graph_module import _LazyGraphModule
@@ -394,7 +443,7 @@ def test_the_partitions_modules_write_their_code_when_first_called(monkeypatch):
     fw, bw, unwritten = handed[0]
     assert isinstance(fw, _LazyGraphModule) and isinstance(bw, _LazyGraphModule)
     assert unwritten, "the backward's code was written before it was called"
-    assert raised and all(raised), raised  # not written again there (lazy_reordering)
+    assert raised and all(raised), raised  # not written again there (passes/engine_order.py)
     assert partitioners.reordering_to_mimic_autograd_engine is reordering  # PyTorch's, once the partition is done
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)

@@ -6,16 +6,14 @@ them; a plain ``fx.GraphModule`` writes and compiles its Python source every tim
 backward of 2,000 nodes), for modules nobody calls. PyTorch's partitioner makes its own modules
 lazy under ``torch.compile`` (Dynamo sets ``torch.fx._lazy_graph_module._use_lazy_graph_module``,
 on by default), not the backward it reorders last (``reordering_to_mimic_autograd_engine`` makes a
-plain module, whose code its ``raise_getitems`` then writes a second time), which remat then
-reorders (passes/schedule.py) and rewrites (passes/rerun.py). In the library the private API is
-used here only: ``_LazyGraphModule`` (checked on torch 2.11, 2.13 and 2.14; it has been in torch
-since 2.3), and the partitioner's reordering, wrapped for the length of remat's partition
-(``lazy_reordering``). Without them, plain modules. What runs a module op by op (the eager
-lowering) writes its code first (``write_code``).
+plain module, whose code its ``raise_getitems`` then writes a second time): remat's partition
+reorders it with its own pass instead (passes/engine_order.py), which makes a lazy module, then
+reorders it again (passes/schedule.py) and rewrites it (passes/rerun.py). The private class
+``_LazyGraphModule`` is used here only (checked on torch 2.11, 2.13 and 2.14; it has been in torch
+since 2.3); without it, plain modules. What runs a module op by op (the eager lowering) writes
+its code first (``write_code``).
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch.fx as fx
 
@@ -45,29 +43,3 @@ def write_code(gm: fx.GraphModule) -> None:
 def new_module(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
     """``fx.GraphModule(root, graph)``, lazy."""
     return fx.GraphModule(root, graph) if _LazyGraphModule is None else _LazyGraphModule(root, graph)
-
-
-@contextlib.contextmanager
-def lazy_reordering():
-    """PyTorch's min-cut partitioner hands back the backward its reordering makes as a lazy module,
-    until the block ends: the reordering still writes its code once (it builds a plain module),
-    the partitioner's ``raise_getitems`` then no longer writes it again (budget 0 of the 8-layer
-    Llama of benchmarks/planning.py: its 10 min-cuts 2.7 s where they took 3.2). The function is
-    swapped for the process while the block runs (as passes/partition.py ``_rng_ops_that_draw``
-    swaps another): Dynamo compiles one frame at a time, and the wrapper returns what PyTorch's
-    function does, as a lazy module."""
-    from torch._functorch import partitioners
-
-    real = getattr(partitioners, "reordering_to_mimic_autograd_engine", None)
-    if real is None or _LazyGraphModule is None:
-        yield
-        return
-
-    def reordered(gm):
-        return lazy(real(gm))
-
-    partitioners.reordering_to_mimic_autograd_engine = reordered
-    try:
-        yield
-    finally:
-        partitioners.reordering_to_mimic_autograd_engine = real
