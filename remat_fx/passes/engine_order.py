@@ -14,8 +14,9 @@ the installed torch's function, node by node), making a lazy module (passes/lazy
 ``our_reordering`` puts it in the partitioner's place for the length of remat's partition: the
 partitioner's private function is swapped by name for the process (as passes/partition.py
 ``_rng_ops_that_draw`` swaps another) while the block runs, and put back after; Dynamo compiles
-one frame at a time. Checked on torch 2.13 and 2.14 (tests), and 2.11 (the GPU image), where the
-partitioner calls it by that name; a torch without the name is left as it is.
+one frame at a time. Checked by the tests on torch 2.13 and 2.14 (CI's selection), where the
+partitioner calls it by that name and the two versions' functions are the same; 2.11's (the GPU
+image) read alike in its source, not run. A torch without the name is left as it is.
 """
 from __future__ import annotations
 
