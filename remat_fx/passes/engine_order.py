@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from remat_fx.passes.lazy_module import new_module
+from remat_fx.passes.schedule import unplaced_inputs
 
 
 def _reads_a_tangent(node: fx.Node) -> bool:
@@ -49,14 +50,7 @@ def reorder(gm: fx.GraphModule) -> fx.GraphModule:
     def place(node: fx.Node) -> None:
         if node in env:
             return
-        missing, stack = set(), [node]
-        while stack:  # the node and every input of it not placed yet, transitively
-            n = stack.pop()
-            if n in env or n in missing:
-                continue
-            missing.add(n)
-            stack.extend(n.all_input_nodes)
-        for n in sorted(missing, key=position.__getitem__):
+        for n in unplaced_inputs(node, env, position) + [node]:  # its inputs come before it in ``position``
             env[n] = graph.node_copy(n, env.__getitem__)
 
     for n in nodes:

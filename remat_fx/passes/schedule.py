@@ -10,9 +10,22 @@ the boxed argument list), each recomputed value dies right after its last use.
 """
 from __future__ import annotations
 
-from typing import List, Set
+from typing import Container, Dict, List, Set
 
 import torch.fx as fx
+
+
+def unplaced_inputs(node: fx.Node, placed: Container[fx.Node], position: Dict[fx.Node, int]) -> List[fx.Node]:
+    """``node``'s inputs, and theirs, transitively, that are not in ``placed``, in ``position`` order
+    (a reordering places them, then the node: passes/engine_order.py too)."""
+    pending, stack = set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in placed or n in pending:
+            continue
+        pending.add(n)
+        stack.extend(n.all_input_nodes)
+    return sorted(pending, key=position.__getitem__)
 
 
 def schedule_recompute(bw: fx.GraphModule, recomputed: Set[str]) -> int:
@@ -27,14 +40,7 @@ def schedule_recompute(bw: fx.GraphModule, recomputed: Set[str]) -> int:
         order.append(node)
 
     def with_pending_inputs(node: fx.Node) -> None:
-        pending, stack = set(), list(node.all_input_nodes)
-        while stack:
-            n = stack.pop()
-            if n in placed or n in pending:
-                continue
-            pending.add(n)
-            stack.extend(n.all_input_nodes)
-        for n in sorted(pending, key=pos.__getitem__):
+        for n in unplaced_inputs(node, placed, pos):
             place(n)
 
     for node in old:
