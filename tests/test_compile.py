@@ -390,10 +390,8 @@ def test_remats_reordering_of_the_backward_is_pytorchs(monkeypatch, model):
 
     def both(bw):
         ours = ours_of(bw)
-        theirs = pytorchs(bw)
-        compared.append((len(bw.graph.nodes), spell(ours) == spell(theirs),
-                         isinstance(ours, _LazyGraphModule) and type(ours)._needs_recompile()))
-        assert spell(ours) == spell(theirs)
+        assert spell(ours) == spell(pytorchs(bw))
+        compared.append(isinstance(ours, _LazyGraphModule) and type(ours)._needs_recompile())
         return ours
 
     monkeypatch.setattr(engine_order, "reorder", both)
@@ -401,7 +399,7 @@ def test_remats_reordering_of_the_backward_is_pytorchs(monkeypatch, model):
         partition.partition(gm, joint_inputs, options=parse_options({"lower": "inductor", "memory_budget": 0.0}),
                             **kwargs)
     assert partitioners.reordering_to_mimic_autograd_engine is pytorchs
-    assert len(compared) >= 2 and all(same and lazy for _, same, lazy in compared), compared
+    assert len(compared) >= 2 and all(compared), compared  # every min-cut compared, each module lazy
     assert remat.last_plan().recomputed_fx  # budget 0: the backward recomputes forward ops
 
 
