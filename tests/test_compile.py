@@ -356,6 +356,28 @@ def test_call_site_policy_outside_regions_decides_nothing():
     assert plan.backward_ops["mm"] == 2 and "l" in {s.name for s in plan.saved}
 
 
+def _small_joint(model: str):
+    """(joint graph module, its inputs, the partition's keyword arguments) of a small GPT ("gpt")
+    or Hugging Face Llama ("llama") step, captured once."""
+    from remat_fx.pareto import _capture
+
+    torch.manual_seed(0)
+    if model == "gpt":
+        from tests.test_budget import GPT, GPTConfig, random_batch
+        cfg = GPTConfig(vocab=64, seq=32, d_model=32, n_head=2, n_layer=3)
+        module, args = GPT(cfg), random_batch(cfg, 2)
+    else:
+        import transformers
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=88, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                                       max_position_embeddings=16, use_cache=False)
+        llama = transformers.LlamaForCausalLM(cfg)
+        ids = torch.randint(0, 64, (2, 16))
+        module, args = (lambda ids: llama(ids, labels=ids).loss), (ids,)
+    ((gm, joint_inputs, kwargs),) = _capture(module, args, {})
+    return gm, joint_inputs, kwargs
+
+
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_remats_reordering_of_the_backward_is_pytorchs(monkeypatch, model):
     """passes/engine_order.py ``reorder``, which the partition puts in the place of PyTorch's
@@ -368,21 +390,9 @@ def test_remats_reordering_of_the_backward_is_pytorchs(monkeypatch, model):
 
     from remat_fx.options import parse_options
     from remat_fx.passes import engine_order, partition
-    from remat_fx.pareto import _capture, _tracing
+    from remat_fx.pareto import _tracing
 
-    torch.manual_seed(0)
-    if model == "gpt":
-        from tests.test_budget import GPT, GPTConfig, random_batch
-        cfg = GPTConfig(vocab=64, seq=32, d_model=32, n_head=2, n_layer=3)
-        module, args = GPT(cfg), random_batch(cfg, 2)
-    else:
-        import transformers
-        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=2,
-                                       num_key_value_heads=1, vocab_size=64, max_position_embeddings=16, use_cache=False)
-        llama = transformers.LlamaForCausalLM(cfg)
-        ids = torch.randint(0, 64, (2, 16))
-        module, args = (lambda ids: llama(ids, labels=ids).loss), (ids,)
-    ((gm, joint_inputs, kwargs),) = _capture(module, args, {})
+    gm, joint_inputs, kwargs = _small_joint(model)
     pytorchs, ours_of, compared = partitioners.reordering_to_mimic_autograd_engine, engine_order.reorder, []
 
     def spell(g: torch.fx.GraphModule):
@@ -401,6 +411,57 @@ def test_remats_reordering_of_the_backward_is_pytorchs(monkeypatch, model):
     assert partitioners.reordering_to_mimic_autograd_engine is pytorchs
     assert len(compared) >= 2 and all(compared), compared  # every min-cut compared, each module lazy
     assert remat.last_plan().recomputed_fx  # budget 0: the backward recomputes forward ops
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_the_min_cuts_repeated_extractions_are_served_as_pytorch_makes_them(monkeypatch, model):
+    """passes/extract_once.py: in budget 0's planning, every graph the memo serves in place of
+    PyTorch's ``_extract_graph_with_inputs_outputs`` (private; checked here on the installed torch:
+    2.13, 2.14 in CI's selection) is the one a fresh extraction makes: the same nodes in the same
+    order (op, name, target, arguments), and for a backward the same node meta (``classify_nodes``
+    reads only the forward's names). Both repeats are served (each min-cut's second backward, each
+    later min-cut's forward alone), PyTorch's functions are back after, and the plan is the one
+    planned without the memo (saved names, reruns, estimated peak)."""
+    import contextlib
+
+    from torch._functorch import partitioners
+
+    from remat_fx.options import parse_options
+    from remat_fx.passes import extract_once, partition
+    from remat_fx.pareto import _tracing
+
+    gm, joint_inputs, kwargs = _small_joint(model)
+    extract, classify = partitioners._extract_graph_with_inputs_outputs, partitioners.classify_nodes
+    serve, checked = extract_once._Served.extract, {"backward": 0, "forward_only": 0}
+
+    def spell(graph: torch.fx.Graph, meta: bool):
+        return [(n.op, n.name, str(n.target), str(n.args), str(n.kwargs))
+                + ((sorted(n.meta), str(n.meta.get("recompute"))) if meta else ()) for n in graph.nodes]
+
+    def checking(self, *args, **kw):
+        before = dict(self.served)
+        graph = serve(self, *args, **kw)
+        for kind in checked:
+            if self.served[kind] > before[kind]:
+                assert spell(graph, kind == "backward") == spell(extract(*args, **kw), kind == "backward")
+                checked[kind] += 1
+        return graph
+
+    def plan(memo: bool):
+        if not memo:
+            monkeypatch.setattr(partition, "extracted_once", contextlib.nullcontext)
+        with _tracing(joint_inputs):
+            partition.partition(gm, joint_inputs, options=parse_options({"lower": "inductor", "memory_budget": 0.0}),
+                                **kwargs)
+        monkeypatch.undo()
+        found = remat.last_plan()
+        return sorted(s.name for s in found.saved), found.rerun.reruns if found.rerun else 0, found.peak.step
+
+    monkeypatch.setattr(extract_once._Served, "extract", checking)
+    with_memo = plan(True)
+    assert partitioners._extract_graph_with_inputs_outputs is extract and partitioners.classify_nodes is classify
+    assert checked["backward"] >= 2 and checked["forward_only"] >= 1, checked  # several min-cuts: both repeats served
+    assert with_memo == plan(False)
 
 
 def test_the_partitions_modules_write_their_code_when_first_called(monkeypatch):
