@@ -2,12 +2,12 @@
 
 Each ``min_cut_rematerialization_partition`` call extracts graphs out of the joint graph
 (``torch._functorch.partitioners._extract_graph_with_inputs_outputs``: a copy of every op that
-depends only on the given inputs, then dead-code elimination) five times: the forward alone (in
+depends only on the given inputs, then dead-code elimination) four times: the forward alone (in
 ``classify_nodes``, which reads only its nodes' names), the backward, the forward with the saved
 values, and the backward again (``_extract_fwd_bwd_modules``: the first backward only tells which
 saved values it reads; the second is asked with the same inputs whenever none went unread). A
 planning makes up to ten min-cuts of one joint graph (budget 0 on the 8-layer Llama of
-benchmarks/planning.py: 44 extractions, 2.5 s of its 13, 20 of them repeats).
+benchmarks/planning.py: 40 extractions, about 2.3 s of its 13, 19 of them repeats).
 
 ``extracted_once`` serves, for the length of remat's partition, the two repeats with the graph
 already made:
