@@ -104,20 +104,19 @@ class _Served:
 
 @contextlib.contextmanager
 def extracted_once():
-    """PyTorch's min-cut partitioner extracts through a memo of the repeats until the block ends;
-    yields the memo (its ``served`` counts)."""
+    """PyTorch's min-cut partitioner extracts through a memo of the repeats until the block ends."""
     from torch._functorch import partitioners
 
     extract = getattr(partitioners, "_extract_graph_with_inputs_outputs", None)
     classify = getattr(partitioners, "classify_nodes", None)
     if extract is None or classify is None:
-        yield None
+        yield
         return
     served = _Served(extract)
     partitioners._extract_graph_with_inputs_outputs = served.extract
     partitioners.classify_nodes = functools.partial(served.classify, classify)
     try:
-        yield served
+        yield
     finally:
         partitioners._extract_graph_with_inputs_outputs = extract
         partitioners.classify_nodes = classify
