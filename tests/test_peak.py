@@ -399,6 +399,53 @@ def test_rerun_searches_of_one_backward_simulate_each_program_once_and_plan_the_
     assert made["kept"][0] < made["none"][0], made  # Inductor's liveness: 104 against 150 when written
 
 
+def test_a_plannings_forwards_are_each_simulated_once_and_their_peaks_are_the_fresh_ones(monkeypatch):
+    """The peak searches finish one partition several times (rerun searches under allowances and
+    caps, estimates): each forward's liveness is simulated once per planning, and every plan's
+    forward peak and floor are what a fresh simulation gives (a 3-block GPT's joint graph planned at
+    budget 0 for Inductor, nothing lowered: 14 estimates and 7 rerun searches on 7 forwards, which
+    were 21 simulations of them before)."""
+    from remat_fx.options import parse_options
+    from remat_fx.passes import partition, peak
+    from remat_fx.pareto import _capture, _tracing
+    from tests.test_budget import GPT, GPTConfig, random_batch
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=32, d_model=32, n_head=2, n_layer=3)
+    ((gm, joint_inputs, kwargs),) = _capture(GPT(cfg), random_batch(cfg, 2), {})
+    forwards, estimates, floors = [], [], []
+    real_simulate, real_estimate, real_rerun = peak.simulate, partition.estimate_peak, partition.rerun_for_peak
+
+    def simulate(g, *args, **kw):
+        if not args and not kw.get("counted_inputs"):  # a forward: nothing counted from the start
+            forwards.append(g)
+        return real_simulate(g, *args, **kw)
+
+    def estimate(fw, bw, *args, **kw):
+        found = real_estimate(fw, bw, *args, **kw)
+        estimates.append((fw, found.forward))
+        return found
+
+    def rerun(bw, counted, shared, held, floor, *args, **kw):
+        floors.append(floor)
+        return real_rerun(bw, counted, shared, held, floor, *args, **kw)
+
+    monkeypatch.setattr(peak, "simulate", simulate)
+    monkeypatch.setattr(partition, "simulate", simulate)
+    monkeypatch.setattr(partition, "estimate_peak", estimate)
+    monkeypatch.setattr(partition, "rerun_for_peak", rerun)
+    with _tracing(joint_inputs):
+        partition.partition(gm, joint_inputs, options=parse_options({"lower": "inductor", "memory_budget": 0.0}),
+                            **kwargs)
+    assert remat.last_plan().rerun.reruns > 0
+    assert len(estimates) > len({id(fw) for fw, _ in estimates}) > 1, len(estimates)  # partitions finished again
+    assert len(floors) > 1
+    assert len(forwards) == len({id(g) for g in forwards}) == len({id(fw) for fw, _ in estimates}), len(forwards)
+    for fw, found in estimates:
+        assert found == real_simulate(fw, inline=True)[0]
+    assert set(floors) <= {found for _, found in estimates}
+
+
 def test_of_two_rerun_searches_near_the_lowest_peak_and_alike_in_time_the_fewer_copies_are_kept():
     """_choose: of the value-by-value and the blocks-first searches' kept reruns, those within 1% of
     the lowest peak; of them the fastest, unless another is within 2% of its recompute and copies

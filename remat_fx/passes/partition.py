@@ -125,14 +125,27 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         _, _, unbudgeted = partitioned(None, lambda: (fw0, bw0, copy.copy(plan0)))
         return unbudgeted.step_cost_s + sum(cost(n) for n in fw0.graph.nodes if n.op == "call_function")
 
+    forward_peaks: dict = {}  # id of a forward -> (it, its simulated peak): a partition's forward is shared
+
+    def forward_peak(fw) -> int:
+        """The forward's estimated peak (passes/peak.py simulate), simulated once per forward: the
+        peak searches finish one partition several times (with and without reruns, under other time
+        allowances and caps), and each rerun search and estimate reads its forward's peak."""
+        if id(fw) not in forward_peaks:
+            # the forward kept with its peak: its id stays its own
+            forward_peaks[id(fw)] = (fw, simulate(fw, inline=options.lower == "inductor")[0])
+        return forward_peaks[id(fw)][1]
+
     def finish(fw, bw, plan, budgeted, fastest_s, cap=None, quick=False, least=False):
         if not quick and (options.rerun is True or (options.rerun == "auto" and budgeted)):
             bw = _rerun(fw, bw, plan, num_fwd_outputs, cost, options.peak_budget if cap is None else cap,
                         None if cap is not None or least else
                         _rerun_allowance(plan, fastest_s, options, checkpointed_s),
                         options.peak_budget is None,  # the envelope's cap may be shortened, a byte peak_budget's not
-                        cap is not None and plan.budget is not None and plan.budget.at_minimum, rerun_searches)
-        plan.peak = estimate_peak(fw, bw, num_fwd_outputs, inline=options.lower == "inductor")
+                        cap is not None and plan.budget is not None and plan.budget.at_minimum, rerun_searches,
+                        forward_peak(fw))
+        plan.peak = estimate_peak(fw, bw, num_fwd_outputs, inline=options.lower == "inductor",
+                                  forward_peak=forward_peak(fw))
         return fw, bw, plan
 
     # our budget, not PyTorch's (its global knob would otherwise re-decide the min-cut's plan)
@@ -331,13 +344,17 @@ def _rerun_allowance(plan, fastest_s, options, checkpointed_s) -> Optional[float
     return max(0.0, base * (1 + options.peak_slack) - plan.step_cost_s)
 
 
-def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap, allowance, shortenable, blocks_first=False, searched=None):
+def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap, allowance, shortenable, blocks_first=False, searched=None,
+           forward_peak=None):
     """The backward with values recomputed a second time where that lowers the step's peak;
     ``shortenable``: its last reruns may be dropped where the step peaks elsewhere (passes/lower.py);
-    ``searched``: the planning's record of the rerun searches made (passes/rerun.py rerun_for_peak)."""
+    ``searched``: the planning's record of the rerun searches made (passes/rerun.py rerun_for_peak);
+    ``forward_peak``: the forward's simulated peak, if known."""
     inputs = backward_inputs(fw, bw, num_fwd_outputs)
     inline = cost.lower == "inductor"  # liveness as Inductor runs it (pointwise ops inside their user)
-    bw, report = rerun_for_peak(bw, inputs.counted, inputs.shared, inputs.held, simulate(fw, inline=inline)[0], cost,
+    if forward_peak is None:
+        forward_peak = simulate(fw, inline=inline)[0]
+    bw, report = rerun_for_peak(bw, inputs.counted, inputs.shared, inputs.held, forward_peak, cost,
                                 allowance, cap, _MIN_GAIN_INDUCTOR if inline else _MIN_GAIN, inline, donated=inputs.donated,
                                 shortenable=shortenable, blocks_first=blocks_first, searched=searched)
     plan.rerun = report

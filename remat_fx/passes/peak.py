@@ -566,9 +566,11 @@ def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     return BackwardInputs(counted, shared, held, sum(storage_bytes(b) for b in saved_bases), donated)
 
 
-def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inline: bool = False) -> PeakEstimate:
+def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inline: bool = False,
+             forward_peak: Optional[int] = None) -> PeakEstimate:
+    """``forward_peak``: ``simulate(fw, inline=inline)[0]``, where the caller has it."""
     counted, shared, held, saved, donated = backward_inputs(fw, bw, num_fwd_outputs)
-    fw_peak, _ = simulate(fw, inline=inline)
+    fw_peak = simulate(fw, inline=inline)[0] if forward_peak is None else forward_peak
     bw_peak, _ = simulate(bw, counted, shared, inline=inline, donated=donated)
     return PeakEstimate(forward=fw_peak, backward=held + bw_peak, saved=saved, held=held)
 
