@@ -2,9 +2,10 @@
 
     points = remat_fx.pareto(model, (x,), budgets=[0, 0.25, 0.5, 1.0], out="pareto_out")
 
-The model is traced once (torch.compile with the ``remat`` backend); every budget then re-runs
-the budget solver and the min-cut on the same joint graph, so a sweep costs one compile plus a
-fraction of a second per budget. Each point is the sum over the compiled graphs. With ``out``,
+The model is traced once (torch.compile, each graph partitioned as the ``remat`` backend would
+under the ``lower`` option, after Inductor's own graph passes under Inductor, and nothing lowered);
+every budget then re-runs the budget solver and the min-cut on the same joint graph, so a sweep
+costs one trace plus a fraction of a second per budget. Each point is the sum over the compiled graphs. With ``out``,
 writes ``pareto.md`` (table), ``pareto.csv`` and ``pareto.png`` (saved bytes vs estimated
 recompute time; needs matplotlib). Also a CLI: ``python -m remat_fx pareto --help``.
 """
@@ -22,6 +23,7 @@ import torch
 from remat_fx.memory_budget import fmt_bytes, parse_budget
 from remat_fx.options import parse_options
 from remat_fx.passes import partition as _partition
+from remat_fx.passes.lower import partition_only
 from remat_fx.passes.plan import last_plan
 
 DEFAULT_BUDGETS = tuple(round(0.1 * i, 1) for i in range(11))
@@ -84,10 +86,20 @@ def pareto(model_or_fn, example_inputs: Sequence, budgets: Sequence = DEFAULT_BU
 
 
 def _capture(model_or_fn, example_inputs, options):
-    """The joint graphs of one compile with the eager lowering (the cost model still reads the
-    ``lower`` option: Inductor sees the same joint graph)."""
+    """The joint graphs of one compile as remat's partition sees them under the options' lowering,
+    nothing lowered: under Inductor (the default), after Inductor's own graph passes, each graph
+    Dynamo makes partitioned once and then run as Dynamo made it (passes/lower.py partition_only);
+    under the eager lowering, a compile with it."""
     torch._dynamo.reset()
-    compiled = torch.compile(model_or_fn, backend="remat", options={**options, "lower": "eager"})
+    parsed = parse_options(options)
+    if parsed.lower == "inductor":
+        def backend(gm, inputs):
+            partition_only(gm, inputs, parsed)
+            return gm.forward
+
+        compiled = torch.compile(model_or_fn, backend=backend)
+    else:
+        compiled = torch.compile(model_or_fn, backend="remat", options=options)
     with _partition.capture_joints() as graphs:
         compiled(*example_inputs)
     torch._dynamo.reset()

@@ -365,6 +365,37 @@ def _inductor(gm, example_inputs, options: BackendOptions, schedules: Optional[d
     return compiled, partitioner.plan
 
 
+class _Partitioned(Exception):
+    """Raised where Inductor would compile the first graph of a partition (partition_only)."""
+
+
+def _stop(*args, **kwargs):
+    raise _Partitioned
+
+
+def partition_only(gm, example_inputs, options: BackendOptions) -> None:
+    """Inductor's compile of ``gm`` (a graph Dynamo made) up to remat's partition of its joint graph,
+    and nothing lowered: the partition sees the joint graph as a compile under Inductor gives it,
+    after Inductor's pre-grad and joint-graph passes (which the eager lowering does not run: on
+    benchmarks/gpu.py's 8-layer Llama the backward of budget 0's plan has 1,683 nodes here against
+    1,867 from the eager lowering's joint graph), and passes/partition.py ``capture_joints`` records
+    it for remat_fx.pareto and benchmarks/planning.py to plan again. ``gm`` is left as it was;
+    AOTAutograd's cache is not read (a hit would skip the partition)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    with input_names(_input_names(gm)), torch._functorch.config.patch(enable_autograd_cache=False):
+        try:
+            compile_fx(copy_dynamo_graph(gm), example_inputs, inner_compile=_stop,
+                       config_patches={"custom_partitioner_fn": RematPartitioner(options)})
+        except Exception as e:  # AOTAutograd or Inductor may wrap it
+            seen, found = set(), e
+            while found is not None and not isinstance(found, _Partitioned) and id(found) not in seen:
+                seen.add(id(found))
+                found = getattr(found, "inner_exception", None) or found.__cause__ or found.__context__
+            if not isinstance(found, _Partitioned):
+                raise
+
+
 _LOWERINGS = 4  # Inductor compiles of one graph under a byte peak_budget, at most
 _STEP = 0.02  # the least the limit is lowered by after a miss, as a fraction of it (doubling each time)
 
