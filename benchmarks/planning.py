@@ -10,8 +10,9 @@ partition (under Inductor, after Inductor's own graph passes; remat_fx/pareto.py
 variant then runs remat's partition on it again with its options, as the compile does, with the plan
 cache off, and nothing is lowered. (Until 2026-12-01 the graph was captured under the eager
 lowering whatever ``--lower`` said: without Inductor's joint-graph passes, a graph Inductor never
-plans, 1,867 backward nodes at budget 0 on the default Llama against the compile's 1,683.) A first-step figure is planning plus Dynamo's and Inductor's
-work (docs/benchmarks.md, "First step", ``benchmarks/warm_start.py``); this splits the planning:
+plans, 1,867 backward nodes at budget 0 on the default Llama against the compile's 1,683.) A
+first-step figure is planning plus Dynamo's and Inductor's work (docs/benchmarks.md, "First step",
+``benchmarks/warm_start.py``); this splits the planning:
 
 * ``min-cut``: PyTorch's ``min_cut_rematerialization_partition`` (one per candidate plan),
 * ``solver``: the budget solver (``apply_budget``: the MILP, or a fallback),
