@@ -313,6 +313,35 @@ def test_pareto_plans_the_joint_graph_a_compile_plans_under_its_lowering():
     assert (point.achieved, point.est_peak) == (want.total_bytes, want.peak.step)
 
 
+@pytest.mark.parametrize("lower", ["eager", "inductor"])
+def test_pareto_sums_the_graphs_of_a_forward_with_a_graph_break(lower):
+    """Each graph of a forward broken in two is captured once (under the eager lowering inside the
+    ``remat`` backend's own capture, remat_fx/step.py's: the two captures hold the same graphs, and
+    the inner one must take itself out, not the outer one) and a point sums both graphs' plans."""
+    from remat_fx.pareto import _capture
+    from remat_fx.passes import partition
+
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            y = torch.relu(self.a(x))
+            torch._dynamo.graph_break()
+            return torch.relu(self.b(y)).sum()
+
+    torch.manual_seed(0)
+    model, x = Broken(), torch.randn(8, 64)
+    graphs = _capture(model, (x,), {"lower": lower})
+    assert len(graphs) == 2 and len({id(gm) for gm, _, _ in graphs}) == 2
+    assert partition._SINKS == []  # nothing left capturing
+    (none, full) = remat.pareto(model, (x,), [0, 1], options={"lower": lower}, progress=False)
+    assert none.minimum == none.achieved < full.achieved == full.maximum
+    assert full.maximum >= 2 * 8 * 64 * 4  # both graphs' activations: a relu output each at least
+    assert partition._SINKS == []
+
+
 # -- parsing ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value, want", [

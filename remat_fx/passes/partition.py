@@ -57,7 +57,9 @@ def capture_joints():
     try:
         yield graphs
     finally:
-        _SINKS.remove(graphs)
+        # by identity: a capture inside another (remat_fx/step.py's, inside remat.pareto's) holds
+        # the same graphs, and list.remove would take the first equal one, the outer's
+        del _SINKS[next(i for i, sink in enumerate(_SINKS) if sink is graphs)]
 
 
 def partition(joint_gm: fx.GraphModule, joint_inputs, *, options: BackendOptions, num_fwd_outputs: int,
