@@ -346,16 +346,13 @@ def _rerun_allowance(plan, fastest_s, options, checkpointed_s) -> Optional[float
     return max(0.0, base * (1 + options.peak_slack) - plan.step_cost_s)
 
 
-def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap, allowance, shortenable, blocks_first=False, searched=None,
-           forward_peak=None):
+def _rerun(fw, bw, plan, num_fwd_outputs, cost, cap, allowance, shortenable, blocks_first, searched, forward_peak):
     """The backward with values recomputed a second time where that lowers the step's peak;
     ``shortenable``: its last reruns may be dropped where the step peaks elsewhere (passes/lower.py);
     ``searched``: the planning's record of the rerun searches made (passes/rerun.py rerun_for_peak);
-    ``forward_peak``: the forward's simulated peak, if known."""
+    ``forward_peak``: the forward's simulated peak (the step's cannot fall below it)."""
     inputs = backward_inputs(fw, bw, num_fwd_outputs)
     inline = cost.lower == "inductor"  # liveness as Inductor runs it (pointwise ops inside their user)
-    if forward_peak is None:
-        forward_peak = simulate(fw, inline=inline)[0]
     bw, report = rerun_for_peak(bw, inputs.counted, inputs.shared, inputs.held, forward_peak, cost,
                                 allowance, cap, _MIN_GAIN_INDUCTOR if inline else _MIN_GAIN, inline, donated=inputs.donated,
                                 shortenable=shortenable, blocks_first=blocks_first, searched=searched)
