@@ -1534,7 +1534,9 @@ def test_estimated_peak_is_non_increasing_down_the_low_budgets(monotone):
             assert monotone == "grid" or plan.budget.held_levels == monotone + (budget == 0)  # 0: under 0.05's own
             assert plan.budget.held_met == (plan.peak.step <= held)
             assert f"held at or under {fmt_bytes(held)}" in str(plan) or not plan.budget.held_met
-    assert peaks == sorted(peaks, reverse=True), peaks
+        # checked at each budget: the default's known rise (0.05's) ends its strict xfail there, before
+        # budget 0's plan, the longest to make
+        assert peaks == sorted(peaks, reverse=True), peaks
 
 
 def test_inductor_liveness_writes_a_pointwise_output_over_an_input_dying_there():
