@@ -156,13 +156,13 @@ def inlined_nodes(order: Iterable, inputs: Callable, users: Callable, src: Calla
     threshold = config.realize_reads_threshold
     for x in order:
         node = src(x)
-        if node.target is mm:
-            into = _addmm_reader(x, node, users, src)
+        mine = facts.get(node) or node_facts(node, facts)
+        if node.target is mm and mine.on_cpu:
+            into = _addmm_reader(x, node, users, src, facts)
             if into is not None:  # the mm runs inside the add's addmm: at the add, reading its inputs there
                 inlined.add(x)
                 addmm.add(into)
                 continue
-        mine = facts.get(node) or node_facts(node, facts)
         if not mine.inlinable or x in addmm:
             continue
         found = readers(x, users, src, facts)
@@ -185,22 +185,26 @@ def inlined_nodes(order: Iterable, inputs: Callable, users: Callable, src: Calla
     return inlined
 
 
-def _addmm_reader(x, node: fx.Node, users: Callable, src: Callable):
+def _addmm_reader(x, node: fx.Node, users: Callable, src: Callable, facts: Optional[dict] = None):
     """The add ``x`` (an mm) is folded into, as Inductor's post-grad pass does on CPU (``mm(a, b) + c``
-    -> ``addmm(c, a, b)``, when the mm has no other reader and ``c`` is a tensor of its dtype); else None."""
-    if node.target is not torch.ops.aten.mm.default or not _on_cpu(node):
-        return None
+    -> ``addmm(c, a, b)``, when the mm has no other reader and ``c`` is a tensor of its dtype); else None.
+    ``node``: ``src(x)``, an mm on the CPU (the caller asks); ``facts``: as ``node_facts``, where the
+    answer for the two FX nodes is kept too."""
     found = list(users(x))
     if len(found) != 1 or src(found[0]).target is not torch.ops.aten.add.Tensor:
         return None
     add = src(found[0])
-    if len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1 or add.args[0] is add.args[1]:
-        return None
-    other = add.args[1] if add.args[0] is node else add.args[0]
-    val, mine = getattr(other, "meta", {}).get("val"), node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or not isinstance(mine, torch.Tensor) or val.dtype != mine.dtype:
-        return None
-    return found[0]
+    key = (node, add)  # what follows reads the two nodes alone
+    folds = None if facts is None else facts.get(key)
+    if folds is None:
+        folds = len(add.args) == 2 and add.kwargs.get("alpha", 1) == 1 and add.args[0] is not add.args[1]
+        if folds:
+            other = add.args[1] if add.args[0] is node else add.args[0]
+            val, mine = getattr(other, "meta", {}).get("val"), node.meta.get("val")
+            folds = isinstance(val, torch.Tensor) and isinstance(mine, torch.Tensor) and val.dtype == mine.dtype
+        if facts is not None:
+            facts[key] = folds
+    return found[0] if folds else None
 
 
 # a cat computes an input Inductor has not realised straight into its slice of the output (a
@@ -214,12 +218,16 @@ def _body(x, node: fx.Node, inputs: Callable, src: Callable, inlined: Set, body_
     heavy = node.target.overloadpacket.__name__ in _HEAVY
     reads: Set = set()
     for m in inputs(x):
-        m = _through_views(m, inputs, src, facts)
+        n = src(m)
+        f = facts.get(n) or node_facts(n, facts)
+        if f.view:
+            m = _through_views(m, inputs, src, facts)
+            f = node_facts(src(m), facts)
         if m in body_of:
             h, r = body_of[m]
             heavy, reads = heavy or h, reads | r
         else:
-            reads.add(node_facts(src(m), facts).base)
+            reads.add(f.base)
     return heavy, reads
 
 
@@ -293,11 +301,12 @@ def liveness(n: int, storages: Dict[object, Tuple[int, int]], reads: List[Iterab
     storage is alive from its allocation while its last reader runs. ``writers`` (Inductor): the
     storages its pointwise kernels make, which may be written in place (``_in_place``) over a
     storage of their own or an input in ``donated``, unless ``apart(writer, input)``."""
-    last: Dict[object, int] = {k: start for k, (start, _) in storages.items()}
-    for i, keys in enumerate(reads):
-        for k in keys:
-            if last.get(k, -1) < i:
-                last[k] = i
+    last: Dict[object, int] = {}
+    for i, keys in enumerate(reads):  # in order: each key's last read is the last written
+        last.update(dict.fromkeys(keys, i))
+    for k, (start, _) in storages.items():  # and never before its allocation
+        if last.get(k, -1) < start:
+            last[k] = start
     for k in outputs:
         last[k] = n
     starts = _in_place(storages, reads, last, writers, donated, apart) if writers else {}

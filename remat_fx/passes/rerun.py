@@ -59,7 +59,7 @@ import torch.fx as fx
 from remat_fx.passes.capture import is_random, numbered_block
 from remat_fx.passes.cost import flops
 from remat_fx.passes.lazy_module import new_module
-from remat_fx.passes.peak import (RERUN_OF, allocation, fused_back, held_to_end, inlined_nodes, is_view, liveness,
+from remat_fx.passes.peak import (RERUN_OF, allocation, fused_back, held_to_end, inlined_nodes, liveness,
                                   node_facts, storage_bytes, writes_apart)
 
 RERUN = "remat_fx.rerun"  # node meta of a copy: the number of its rerun (1, 2, ...)
@@ -153,7 +153,7 @@ class _Program:
         src = item.src
         if src.op == "placeholder":
             key = self.shared.get(src.name, item)
-        elif is_view(src):
+        elif (self.facts.get(src) or node_facts(src, self.facts)).view:  # passes/peak.py is_view, memoised
             key = self.root(item.ins[src.args[0]], memo)
         else:
             key = item
@@ -816,15 +816,11 @@ def _apply(items: List[_Item], plan, number: int) -> List[_Item]:
     at = plan["at"]
     replaced: Dict[_Item, _Item] = {}
     out = []
-    for i, item in enumerate(items):
-        if i == at:
-            out.extend(copies[c] for c in plan["closure"])
-        if i >= at:  # from here on, everything the copies remake is read from them
-            ins = {m: copies.get(p) or replaced.get(p, p) for m, p in item.ins.items()}
-        else:
-            ins = item.ins
-        if any(ins[m] is not item.ins[m] for m in ins):
-            new = _Item(item.src, ins, item.copy)
+    out = items[:at]  # before ``at`` nothing changes
+    out.extend(copies[c] for c in plan["closure"])
+    for item in items[at:]:  # from here on, everything the copies remake is read from them
+        if any(p in copies or p in replaced for p in item.ins.values()):
+            new = _Item(item.src, {m: copies.get(p) or replaced.get(p, p) for m, p in item.ins.items()}, item.copy)
             replaced[item] = new
             item = new
         out.append(item)
