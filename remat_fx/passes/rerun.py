@@ -815,7 +815,6 @@ def _apply(items: List[_Item], plan, number: int) -> List[_Item]:
         copies[item] = _Item(item.src, {m: copies.get(p, p) for m, p in item.ins.items()}, copy=number)
     at = plan["at"]
     replaced: Dict[_Item, _Item] = {}
-    out = []
     out = items[:at]  # before ``at`` nothing changes
     out.extend(copies[c] for c in plan["closure"])
     for item in items[at:]:  # from here on, everything the copies remake is read from them
