@@ -185,7 +185,7 @@ def inlined_nodes(order: Iterable, inputs: Callable, users: Callable, src: Calla
     return inlined
 
 
-def _addmm_reader(x, node: fx.Node, users: Callable, src: Callable, facts: Optional[dict] = None):
+def _addmm_reader(x, node: fx.Node, users: Callable, src: Callable, facts: dict):
     """The add ``x`` (an mm) is folded into, as Inductor's post-grad pass does on CPU (``mm(a, b) + c``
     -> ``addmm(c, a, b)``, when the mm has no other reader and ``c`` is a tensor of its dtype); else None.
     ``node``: ``src(x)``, an mm on the CPU (the caller asks); ``facts``: as ``node_facts``, where the
@@ -195,15 +195,14 @@ def _addmm_reader(x, node: fx.Node, users: Callable, src: Callable, facts: Optio
         return None
     add = src(found[0])
     key = (node, add)  # what follows reads the two nodes alone
-    folds = None if facts is None else facts.get(key)
+    folds = facts.get(key)
     if folds is None:
         folds = len(add.args) == 2 and add.kwargs.get("alpha", 1) == 1 and add.args[0] is not add.args[1]
         if folds:
             other = add.args[1] if add.args[0] is node else add.args[0]
             val, mine = getattr(other, "meta", {}).get("val"), node.meta.get("val")
             folds = isinstance(val, torch.Tensor) and isinstance(mine, torch.Tensor) and val.dtype == mine.dtype
-        if facts is not None:
-            facts[key] = folds
+        facts[key] = folds
     return found[0] if folds else None
 
 
