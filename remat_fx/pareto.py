@@ -15,7 +15,8 @@ import csv
 import pathlib
 import sys
 import time
-from dataclasses import asdict, dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import List, Sequence
 
 import torch
@@ -42,6 +43,13 @@ class ParetoPoint:
     est_peak: int  # the static estimate of the step's activation peak (bytes), summed over graphs
     solver: str
     solve_ms: float
+    # the plan of each compiled graph at this budget (remat.last_plan()'s kind: str(plan) lists what is
+    # saved); not in the table or csv
+    plans: List = field(default_factory=list, repr=False, compare=False)
+
+    def row(self) -> dict:
+        """The point's figures (its csv row): every field but ``plans``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plans"}
 
 
 def pareto(model_or_fn, example_inputs: Sequence, budgets: Sequence = DEFAULT_BUDGETS, *, options=None,
@@ -66,6 +74,9 @@ def pareto(model_or_fn, example_inputs: Sequence, budgets: Sequence = DEFAULT_BU
             with _tracing(joint_inputs):  # what the partitioner expects around it, as during the compile
                 _partition.partition(gm, joint_inputs, options=parsed, **kwargs)
             plan = last_plan()
+            if plan.rerun is not None:
+                plan.rerun = plan.rerun.settled()  # no backward compiles here
+            point.plans.append(plan)
             rep = plan.budget
             point.target += rep.target
             point.achieved += rep.achieved
@@ -150,9 +161,9 @@ def write(points: List[ParetoPoint], out) -> pathlib.Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "pareto.md").write_text(table(points) + "\n")
     with open(out / "pareto.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(points[0])))
+        writer = csv.DictWriter(f, fieldnames=list(points[0].row()))
         writer.writeheader()
-        writer.writerows(asdict(p) for p in points)
+        writer.writerows(p.row() for p in points)
     try:
         import matplotlib
 

@@ -323,6 +323,9 @@ def test_pareto_plans_the_joint_graph_a_compile_plans_under_its_lowering():
         (want.total_bytes, want.peak.step, want.recompute_flops)
     point = remat.pareto(loss, (ids,), [0.5], options={"lower": "inductor"}, progress=False)[0]
     assert (point.achieved, point.est_peak) == (want.total_bytes, want.peak.step)
+    (got,) = point.plans  # the point's plan: what the compile saves, by the same names
+    assert [(s.name, s.bytes) for s in got.saved] == [(s.name, s.bytes) for s in want.saved]
+    assert got.recomputed == want.recomputed and got.peak.step == want.peak.step
 
 
 @pytest.mark.parametrize("lower", ["eager", "inductor"])
@@ -351,6 +354,9 @@ def test_pareto_sums_the_graphs_of_a_forward_with_a_graph_break(lower):
     (none, full) = remat.pareto(model, (x,), [0, 1], options={"lower": lower}, progress=False)
     assert none.minimum == none.achieved < full.achieved == full.maximum
     assert full.maximum >= 2 * 8 * 64 * 4  # both graphs' activations: a relu output each at least
+    for point in (none, full):  # one plan a graph, in the forward's order
+        assert len(point.plans) == 2 and sum(p.total_bytes for p in point.plans) == point.achieved
+        assert sum(p.peak.step for p in point.plans) == point.est_peak
     assert partition._SINKS == []
 
 
@@ -568,7 +574,8 @@ def test_pareto_writes_table_csv_plot(tmp_path):
     table = (tmp_path / "pareto.md").read_text()
     assert "| 4.00 KiB | 4.00 KiB | " in table and all(p.est_peak > p.achieved for p in points)
     assert (tmp_path / "pareto.png").stat().st_size > 1000
-    assert len((tmp_path / "pareto.csv").read_text().splitlines()) == 4
+    csv = (tmp_path / "pareto.csv").read_text().splitlines()
+    assert len(csv) == 4 and csv[0].split(",")[-1] == "solve_ms"  # the figures; each point's plans are not in it
 
 
 def test_pareto_cli(tmp_path):

@@ -47,6 +47,7 @@ that another of its graphs sets its peak: ``shorten`` then keeps only the first 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import operator
 import time
 from dataclasses import dataclass, field
@@ -85,6 +86,11 @@ class RerunReport:
     def shortenable(self) -> bool:
         """Whether ``shorten`` may still drop some of the reruns (until the backward is compiled)."""
         return self._steps is not None
+
+    def settled(self) -> "RerunReport":
+        """This report without what ``shorten`` keeps until the backward is compiled (the programs
+        hold the backward's nodes): for a plan kept where no backward compiles (remat.pareto's points)."""
+        return self if self._steps is None else dataclasses.replace(self, _steps=None)
 
 
 class _Item:
