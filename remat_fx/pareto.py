@@ -6,16 +6,17 @@ The model is traced once (torch.compile, each graph partitioned as the ``remat``
 under the ``lower`` option, after Inductor's own graph passes under Inductor, and nothing lowered);
 every budget then re-runs the budget solver and the min-cut on the same joint graph, so a sweep
 costs one trace plus a fraction of a second per budget. Each point is the sum over the compiled
-graphs. With ``out``, writes ``pareto.md`` (table), ``pareto.csv`` and ``pareto.png`` (saved bytes
-vs estimated recompute time; needs matplotlib). Also a CLI: ``python -m remat_fx pareto --help``.
+graphs, and keeps each graph's plan (``point.plans``). With ``out``, writes ``pareto.md``
+(table), ``pareto.csv`` and ``pareto.png`` (saved bytes vs estimated recompute time; needs
+matplotlib). Also a CLI: ``python -m remat_fx pareto --help``.
 """
 from __future__ import annotations
 
 import csv
+import dataclasses
 import pathlib
 import sys
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Sequence
 
