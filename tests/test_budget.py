@@ -461,6 +461,50 @@ def test_ilp_matches_brute_force_on_random_graphs():
     assert checked > 100
 
 
+def test_the_same_0_1_program_is_solved_once_and_a_time_limits_answer_is_not_kept(monkeypatch):
+    """HiGHS answers a proven optimum the same way each time it is asked: the peak searches of one
+    compile, and later compiles of the same graph (other options, remat.fit, remat.pareto), ask it
+    again for the programs already solved, and get the kept answer (passes/budget.py _SOLVED). Any
+    change to the program (its target, a cost) is a new program; an answer cut short by the time
+    limit is not kept."""
+    import scipy.optimize
+
+    real, calls = scipy.optimize.milp, []
+
+    def counted(*a, **k):
+        calls.append(k["options"]["time_limit"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(scipy.optimize, "milp", counted)
+    monkeypatch.setattr(B, "_SOLVED", type(B._SOLVED)())
+    rng = random.Random(3)
+    p = next(p for p in (_random_problem(rng, 9) for _ in range(50))
+             if B.closure(p, set()) is not None and sum(p.storage_bytes.values()) > 0)
+    target = sum(p.storage_bytes.values()) // 2
+    first = B.solve(p, target, {})
+    assert len(calls) == 1 and first.method == "ilp"
+    again = B.solve(p, target, {})
+    assert len(calls) == 1  # the kept answer
+    assert (again.saved, again.recomputed, again.bytes, again.cost) == \
+        (first.saved, first.recomputed, first.bytes, first.cost)
+    B.solve(p, target + 1, {})  # another target: another program
+    assert len(calls) == 2
+    p.cost[p.order[-1]] += 1.0  # another cost: another objective
+    B.solve(p, target, {})
+    assert len(calls) == 3
+
+    def out_of_time(*a, **k):  # the best plan found in time (HiGHS status 1), not proven
+        calls.append(k["options"]["time_limit"])
+        res = real(*a, **k)
+        res.status = 1
+        return res
+
+    monkeypatch.setattr(scipy.optimize, "milp", out_of_time)
+    cut_short = B.solve(p, target - 1, {})
+    B.solve(p, target - 1, {})
+    assert len(calls) == 5 and cut_short.method == "ilp (time limit, best found)"
+
+
 def _blocks_problem(rng: random.Random, size: int, blocks: int):
     """A random block (``_random_problem``) repeated ``blocks`` times, each copy reading only
     itself, with the copies of each node as the problem's ties (what build_problem finds for

@@ -20,6 +20,7 @@ A greedy fallback (best cost per byte first) answers when the ILP finds nothing 
 """
 from __future__ import annotations
 
+import hashlib
 import operator
 import re
 import time
@@ -238,7 +239,8 @@ def _minimum(problem: Problem, group: Optional[str], time_limit: float) -> Tuple
 
 
 def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), time_limit=10.0, ties=()):
-    """(saved set, HiGHS status) of the best plan found, _INFEASIBLE, or None (nothing in time)."""
+    """(saved set, HiGHS status) of the best plan found, _INFEASIBLE, or None (nothing in time); a
+    program HiGHS proved optimal or infeasible is answered again from ``_SOLVED``."""
     """The 0-1 program in the 'available / recomputed' form: a_v = s_v + r_v. Its rows other than
     the budgets are difference constraints (a network matrix), so the LP relaxation is integral
     but for the budget rows and branch-and-bound closes fast."""
@@ -311,16 +313,41 @@ def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), 
             c[A:A + n] = 1e4 * (ga + 1e-3 * (ca - ga)) / total_bytes
             c[R:] = 1e4 * (gr + 1e-3 * (cr - gr)) / total_bytes
     A_ = coo_array((vals, (rows, cols)), shape=(len(lo), nvar)).tocsr()
-    res = milp(c, constraints=[LinearConstraint(A_, lo, hi)], integrality=np.ones(nvar),
-               bounds=Bounds(lower, upper),
-               options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "presolve": True})
-    if res.status == 2:
+    lo_, hi_ = np.array(lo, dtype=float), np.array(hi, dtype=float)
+    key = _program_key(c, A_, lo_, hi_, lower, upper, time_limit)
+    if key in _SOLVED:
+        _SOLVED.move_to_end(key)
+        status, x = _SOLVED[key]
+    else:
+        res = milp(c, constraints=[LinearConstraint(A_, lo_, hi_)], integrality=np.ones(nvar),
+                   bounds=Bounds(lower, upper),
+                   options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "presolve": True})
+        status, x = res.status, (None if res.x is None else np.round(res.x).astype(np.int8))
+        if status in (0, 2):  # proven optimal or infeasible: the same answer whenever asked (not a time limit's)
+            _SOLVED[key] = (status, x)
+            while len(_SOLVED) > _SOLVED_KEPT:
+                _SOLVED.popitem(last=False)
+    if status == 2:
         return _INFEASIBLE
-    if res.x is None or res.status not in (0, 1):
+    if x is None or status not in (0, 1):
         return None
-    x = np.round(res.x)
-    saved = {v for v in nodes if x[A + index[v]] - x[R + index[v]] > 0.5}
-    return saved, res.status
+    saved = {v for v in nodes if x[A + index[v]] - x[R + index[v]] > 0}
+    return saved, status
+
+
+_SOLVED: "OrderedDict[bytes, tuple]" = OrderedDict()  # the 0-1 program's digest -> (HiGHS status, solution)
+_SOLVED_KEPT = 256
+
+
+def _program_key(c, A, lo, hi, lower, upper, time_limit) -> bytes:
+    """A digest of the whole 0-1 program as HiGHS gets it (objective, matrix, bounds, time limit)."""
+    h = hashlib.blake2b(digest_size=20)
+    for a in (c, A.data, A.indices, A.indptr, lo, hi, lower, upper):
+        a = np.ascontiguousarray(a)
+        h.update(str(a.dtype).encode() + str(a.shape).encode())
+        h.update(a.tobytes())
+    h.update(repr((A.shape, time_limit)).encode())
+    return h.digest()
 
 
 def _together(problem: Problem, target, group_targets) -> str:
