@@ -23,7 +23,9 @@ first-step figure is planning plus Dynamo's and Inductor's work (docs/benchmarks
 
 Each figure is (calls, seconds), from a wrapper around the function, no profiler. With ``--repeat``
 each variant is planned that many times and the fastest planning is kept (the others' counts are the
-same: the search is deterministic). Prints a markdown table (and writes it to ``--out``).
+same: the search is deterministic). Each planning starts without the budget solver's kept answers
+(passes/budget.py ``_SOLVED``, ``_MINIMA``), as a compile in a new process would. Prints a
+markdown table (and writes it to ``--out``).
 
 Memory budgets only: a compile plans a ``peak_budget`` for the whole step (remat_fx/step.py gives
 each graph the limit the step leaves it: the gradients, what other graphs hold), which a partition
@@ -50,6 +52,7 @@ from benchmarks.gpu import monotone_option  # noqa: E402
 from benchmarks.llama_depth import add_shape_args, build  # noqa: E402
 from remat_fx.memory_budget import fmt_bytes  # noqa: E402
 from remat_fx.options import parse_options  # noqa: E402
+from remat_fx.passes import budget as _budget  # noqa: E402
 from remat_fx.passes import partition as _partition  # noqa: E402
 from remat_fx.passes import rerun as _rerun  # noqa: E402
 from remat_fx.pareto import _capture, _tracing  # noqa: E402
@@ -116,6 +119,10 @@ def plan_once(graphs, options: dict, timers: Timers) -> dict:
     (the Llama's loss is in its one graph) and the parts' times summed over the graphs."""
     parsed = parse_options(options)
     timers.reset()
+    # as a compile in a new process plans: the budget solver's answers kept from an earlier planning
+    # of the same graph in this one (another variant, an earlier --repeat) are dropped
+    _budget._SOLVED.clear()
+    _budget._MINIMA.clear()
     t0 = time.perf_counter()
     for gm, joint_inputs, kwargs in graphs:
         with _tracing(joint_inputs):
