@@ -462,9 +462,9 @@ def test_ilp_matches_brute_force_on_random_graphs():
 
 
 def test_the_same_0_1_program_is_solved_once_and_a_time_limits_answer_is_not_kept(monkeypatch):
-    """HiGHS answers a proven optimum the same way each time it is asked: the peak searches of one
-    compile, and later compiles of the same graph (other options, remat.fit, remat.pareto), ask it
-    again for the programs already solved, and get the kept answer (passes/budget.py _SOLVED). Any
+    """HiGHS answers a proven optimum the same way each time it is asked: later plannings of the
+    same graph (remat.pareto's budgets, remat.fit's candidates, a compile under other options) ask
+    again for programs already solved, and get the kept answer (passes/budget.py _SOLVED). Any
     change to the program (its target, a cost) is a new program; an answer cut short by the time
     limit is not kept."""
     import scipy.optimize
