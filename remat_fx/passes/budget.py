@@ -197,6 +197,13 @@ _MINIMA: "OrderedDict[tuple, Tuple[int, Set[str]]]" = OrderedDict()  # fingerpri
 _MINIMA_KEPT = 32
 
 
+def _keep(store: OrderedDict, key, value, kept: int) -> None:
+    """``store[key] = value``, the oldest entries dropped past ``kept``."""
+    store[key] = value
+    while len(store) > kept:
+        store.popitem(last=False)
+
+
 def _fingerprint(problem: Problem, group: Optional[str], time_limit: float) -> tuple:
     """What the fewest-bytes answer depends on (not the recompute costs)."""
     return (tuple(problem.order), tuple(problem.inputs[v] for v in problem.order), frozenset(problem.needed),
@@ -215,9 +222,7 @@ def minimum(problem: Problem, group: Optional[str] = None, time_limit: float = 1
         nbytes, saved = _MINIMA[key]
         return nbytes, set(saved)
     nbytes, saved = _minimum(problem, group, time_limit)
-    _MINIMA[key] = (nbytes, frozenset(saved))
-    while len(_MINIMA) > _MINIMA_KEPT:
-        _MINIMA.popitem(last=False)
+    _keep(_MINIMA, key, (nbytes, frozenset(saved)), _MINIMA_KEPT)
     return nbytes, saved
 
 
@@ -240,8 +245,9 @@ def _minimum(problem: Problem, group: Optional[str], time_limit: float) -> Tuple
 
 def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), time_limit=10.0, ties=()):
     """(saved set, HiGHS status) of the best plan found, _INFEASIBLE, or None (nothing in time); a
-    program HiGHS proved optimal or infeasible is answered again from ``_SOLVED``."""
-    """The 0-1 program in the 'available / recomputed' form: a_v = s_v + r_v. Its rows other than
+    program HiGHS proved optimal or infeasible is answered again from ``_SOLVED``.
+
+    The 0-1 program in the 'available / recomputed' form: a_v = s_v + r_v. Its rows other than
     the budgets are difference constraints (a network matrix), so the LP relaxation is integral
     but for the budget rows and branch-and-bound closes fast."""
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -324,9 +330,7 @@ def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), 
                    options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "presolve": True})
         status, x = res.status, (None if res.x is None else np.round(res.x).astype(np.int8))
         if status in (0, 2):  # proven optimal or infeasible: the same answer whenever asked (not a time limit's)
-            _SOLVED[key] = (status, x)
-            while len(_SOLVED) > _SOLVED_KEPT:
-                _SOLVED.popitem(last=False)
+            _keep(_SOLVED, key, (status, x), _SOLVED_KEPT)
     if status == 2:
         return _INFEASIBLE
     if x is None or status not in (0, 1):
