@@ -464,6 +464,42 @@ def test_the_min_cuts_repeated_extractions_are_served_as_pytorch_makes_them(monk
     assert with_memo == plan(False)
 
 
+def test_a_captured_joint_graph_planned_outside_dynamo_gets_lazy_modules_from_the_min_cut(monkeypatch):
+    """passes/lazy_module.py lazy_modules: remat.pareto and remat.fit plan captured joint graphs again
+    outside Dynamo, which is what sets ``torch.fx._lazy_graph_module._use_lazy_graph_module`` (private;
+    checked on torch 2.13 and 2.14 here). Inside remat's partition the modules PyTorch's min-cut makes
+    are lazy there too (none has written its code when ``raise_getitems`` gets it), and the flag is as
+    it was once the partition is done; the plan is the one a compile makes."""
+    from torch._functorch import partitioners
+    from torch.fx import _lazy_graph_module
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    from remat_fx.options import parse_options
+    from remat_fx.passes import partition
+    from remat_fx.pareto import _capture, _tracing
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(4)])
+    x = torch.randn(8, 16)
+    ((gm, joint_inputs, kwargs),) = _capture(lambda x: model(x).pow(2).sum(), (x,), {"lower": "eager", "memory_budget": 0.0})
+    compiled = remat.last_plan()
+    raised, real_raise = [], partitioners.raise_getitems
+
+    def raise_getitems(gm):
+        raised.append(isinstance(gm, _LazyGraphModule) and type(gm)._needs_recompile())
+        return real_raise(gm)
+
+    monkeypatch.setattr(partitioners, "raise_getitems", raise_getitems)
+    assert _lazy_graph_module._use_lazy_graph_module_flag is False  # outside Dynamo
+    with _tracing(joint_inputs):
+        options = parse_options({"lower": "eager", "memory_budget": 0.0})
+        partition.partition(gm, joint_inputs, options=options, **kwargs)
+    plan = remat.last_plan()
+    assert raised and all(raised), raised  # forward and backward of each min-cut: not written
+    assert _lazy_graph_module._use_lazy_graph_module_flag is False
+    assert [s.name for s in plan.saved] == [s.name for s in compiled.saved] and plan.peak.step == compiled.peak.step
+
+
 def test_the_partitions_modules_write_their_code_when_first_called(monkeypatch):
     """passes/lazy_module.py: the forward and backward the partition hands back are lazy graph
     modules (``torch.fx._lazy_graph_module._LazyGraphModule``, private; checked on torch 2.13 and

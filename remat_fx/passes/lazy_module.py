@@ -8,19 +8,31 @@ lazy under ``torch.compile`` (Dynamo sets ``torch.fx._lazy_graph_module._use_laz
 on by default), not the backward it reorders last (``reordering_to_mimic_autograd_engine`` makes a
 plain module, whose code its ``raise_getitems`` then writes a second time): remat's partition
 reorders it with its own pass instead (passes/engine_order.py), which makes a lazy module, then
-reorders it again (passes/schedule.py) and rewrites it (passes/rerun.py). The private class
-``_LazyGraphModule`` is used here only (checked on torch 2.11, 2.13 and 2.14; it has been in torch
-since 2.3); without it, plain modules. What runs a module op by op (the eager lowering) writes
+reorders it again (passes/schedule.py) and rewrites it (passes/rerun.py). Outside Dynamo (remat.pareto
+and remat.fit planning captured joint graphs again, a step's graphs lowered again, benchmarks/planning.py)
+nothing sets that flag: ``lazy_modules`` sets it for the length of remat's partition, where plain
+modules took a fifth of each min-cut (a 6-block GPT at budget 0: 27 modules written, 2.7 s of the
+nine min-cuts' 12.4 s under cProfile). The private class ``_LazyGraphModule`` and flag
+``_use_lazy_graph_module`` are used here only (checked on torch 2.11, 2.13 and 2.14; both have been in
+torch since 2.3); without them, plain modules. What runs a module op by op (the eager lowering) writes
 its code first (``write_code``).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch.fx as fx
 
 try:
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-except ImportError:  # pragma: no cover - an older or newer torch without it: plain modules
-    _LazyGraphModule = None
+    from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
+except ImportError:  # pragma: no cover - an older or newer torch without them: plain modules
+    _LazyGraphModule = _use_lazy_graph_module = None
+
+
+def lazy_modules():
+    """A block in which the modules PyTorch's passes make (``torch.fx._lazy_graph_module._make_graph_module``:
+    the min-cut partitioner's forward and backward) are lazy, as under Dynamo; as before after it."""
+    return contextlib.nullcontext() if _use_lazy_graph_module is None else _use_lazy_graph_module(True)
 
 
 def lazy(gm: fx.GraphModule) -> fx.GraphModule:
