@@ -481,7 +481,8 @@ def test_a_captured_joint_graph_planned_outside_dynamo_gets_lazy_modules_from_th
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(4)])
     x = torch.randn(8, 16)
-    ((gm, joint_inputs, kwargs),) = _capture(lambda x: model(x).pow(2).sum(), (x,), {"lower": "eager", "memory_budget": 0.0})
+    loss = lambda x: model(x).pow(2).sum()  # noqa: E731
+    ((gm, joint_inputs, kwargs),) = _capture(loss, (x,), {"lower": "eager", "memory_budget": 0.0})
     compiled = remat.last_plan()
     raised, real_raise = [], partitioners.raise_getitems
 
