@@ -501,6 +501,53 @@ def test_a_captured_joint_graph_planned_outside_dynamo_gets_lazy_modules_from_th
     assert [s.name for s in plan.saved] == [s.name for s in compiled.saved] and plan.peak.step == compiled.peak.step
 
 
+def test_the_min_cuts_max_flow_is_boykov_kolmogorovs_and_the_plans_are_the_default_flows(monkeypatch):
+    """passes/max_flow.py: inside remat's partition PyTorch's min-cut (``solve_min_cut``) reaches
+    ``networkx.minimum_cut`` with networkx's Boykov-Kolmogorov max-flow (checked on torch 2.13 here,
+    2.14 in CI's selection); the function is networkx's own again after. Without the swap (the
+    default flow, preflow-push) each budget's plan saves and reruns the same values, with the same
+    estimated peak, and the gradients are eager's."""
+    import contextlib
+
+    import networkx
+    from networkx.algorithms.flow import boykov_kolmogorov
+
+    from remat_fx.passes import partition
+
+    flows, real = [], networkx.minimum_cut
+
+    def spy(flowG, s, t, capacity="capacity", flow_func=None, **kwargs):
+        flows.append(flow_func)
+        return real(flowG, s, t, capacity=capacity, flow_func=flow_func, **kwargs)
+
+    monkeypatch.setattr(networkx, "minimum_cut", spy)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(4)])
+    x = torch.randn(8, 16)
+    params = list(model.parameters())
+    want = torch.autograd.grad(model(x).pow(2).sum(), params)
+
+    def plans():
+        found = []
+        for budget in (0.0, 0.5):
+            f = _compile(model, memory_budget=budget)
+            got = torch.autograd.grad(f(x).pow(2).sum(), params)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b)
+            plan = remat.last_plan()
+            found.append(([s.name for s in plan.saved], plan.total_bytes, plan.peak.step,
+                          plan.rerun.names if plan.rerun else None))
+        return found
+
+    swapped = plans()
+    assert flows and all(f is boykov_kolmogorov for f in flows), flows
+    assert networkx.minimum_cut is spy
+    flows.clear()
+    monkeypatch.setattr(partition, "boykov_kolmogorov_flow", contextlib.nullcontext)
+    assert plans() == swapped
+    assert flows and all(f is None for f in flows), flows  # networkx's default
+
+
 def test_the_partitions_modules_write_their_code_when_first_called(monkeypatch):
     """passes/lazy_module.py: the forward and backward the partition hands back are lazy graph
     modules (``torch.fx._lazy_graph_module._LazyGraphModule``, private; checked on torch 2.13 and

@@ -34,6 +34,7 @@ from remat_fx.passes.cost import CostModel, node_device
 from remat_fx.passes.engine_order import our_reordering
 from remat_fx.passes.extract_once import extracted_once
 from remat_fx.passes.lazy_module import lazy, lazy_modules
+from remat_fx.passes.max_flow import boykov_kolmogorov_flow
 from remat_fx.passes.peak import FINAL_ALIKE, backward_inputs, fit_peak, lower_peak, monotone_peak, simulate
 from remat_fx.passes.peak import estimate as estimate_peak
 from remat_fx.passes.rerun import Searched, rerun_for_peak
@@ -152,7 +153,8 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
 
     # our budget, not PyTorch's (its global knob would otherwise re-decide the min-cut's plan)
     with torch._functorch.config.patch(activation_memory_budget=1.0, cse=False), _rng_ops_that_draw(), \
-            our_reordering(), extracted_once(), lazy_modules():
+            our_reordering(), extracted_once(), lazy_modules(), \
+            boykov_kolmogorov_flow():
         fw0, bw0 = min_cut()
         plan0 = build_plan(joint, tags, fw0, bw0, num_fwd_outputs, params, options.lower, cost)
         budgets = budgets_of(joint, options)
