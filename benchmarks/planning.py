@@ -43,7 +43,6 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -85,8 +84,9 @@ class Timers:
 @contextlib.contextmanager
 def installed(timers: Timers):
     """The planning's parts wrapped where partition.py and rerun.py look them up, and the plan cache
-    off (every variant searches: the cache would replay a plan), with lazy graph modules as under
-    ``torch.compile``, until the block ends."""
+    off (every variant searches: the cache would replay a plan), until the block ends. (PyTorch's
+    partitioner makes lazy modules inside remat's partition, as under ``torch.compile``:
+    passes/lazy_module.py ``lazy_modules``.)"""
     with contextlib.ExitStack() as stack:
         for owner, name, part in ((_partition, "min_cut_rematerialization_partition", "min-cut"),
                                   (_partition, "apply_budget", "solver"),
@@ -95,9 +95,6 @@ def installed(timers: Timers):
                                   (_rerun._Program, "simulate", "simulate")):
             stack.enter_context(mock.patch.object(owner, name, timers.wrap(part, getattr(owner, name))))
         stack.enter_context(mock.patch.dict(os.environ, {"REMAT_FX_PLAN_CACHE": "0"}))
-        # as under torch.compile, where Dynamo turns it on (torch._dynamo.config.use_lazy_graph_module):
-        # PyTorch's partitioner makes modules whose code is written when first called
-        stack.enter_context(_use_lazy_graph_module(True))
         yield
 
 
