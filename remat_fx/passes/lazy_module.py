@@ -3,20 +3,20 @@ printed or asked for its code, not each time its graph is set or changed.
 
 A plan search makes one backward module per partition and per rerun search, and reorders a few of
 them; a plain ``fx.GraphModule`` writes and compiles its Python source every time (0.1-0.2 s for a
-backward of 2,000 nodes), for modules nobody calls. PyTorch's partitioner makes its own modules
-lazy under ``torch.compile`` (Dynamo sets ``torch.fx._lazy_graph_module._use_lazy_graph_module``,
-on by default), not the backward it reorders last (``reordering_to_mimic_autograd_engine`` makes a
-plain module, whose code its ``raise_getitems`` then writes a second time): remat's partition
-reorders it with its own pass instead (passes/engine_order.py), which makes a lazy module, then
-reorders it again (passes/schedule.py) and rewrites it (passes/rerun.py). Outside Dynamo (remat.pareto
-planning captured joint graphs again; remat.fit and the whole-step planner lowering a step's graphs
-again, remat_fx/step.py relower) nothing set that flag: ``lazy_modules`` sets it for the length of remat's partition, where plain modules took a fifth
-of each min-cut (a 6-block GPT's joint graph planned at budget 0: 27 modules written, 2.7 s of the
-nine min-cuts' 12.4 s under cProfile; benchmarks/planning.py had set the flag itself). The private
-class ``_LazyGraphModule`` (checked on torch 2.11, 2.13 and 2.14) and flag ``_use_lazy_graph_module``
-(checked on 2.13 and 2.14, tests/test_compile.py) are used here only; both have been in torch since
-2.3; without them, plain modules. What runs a module op by op (the eager lowering) writes
-its code first (``write_code``).
+backward of 2,000 nodes), for modules nobody calls. PyTorch's partitioner makes its own modules lazy
+under ``torch.compile`` (Dynamo sets ``torch.fx._lazy_graph_module._use_lazy_graph_module``, on by
+default), not the backward it reorders last (``reordering_to_mimic_autograd_engine`` makes a plain
+module, whose code its ``raise_getitems`` then writes a second time): remat's partition reorders it
+with its own pass instead (passes/engine_order.py), which makes a lazy module, then reorders it
+again (passes/schedule.py) and rewrites it (passes/rerun.py). Outside Dynamo (remat.pareto planning
+captured joint graphs again; remat.fit and the whole-step planner lowering a step's graphs again,
+remat_fx/step.py relower) nothing set that flag: ``lazy_modules`` sets it for the length of remat's
+partition, where plain modules took a fifth of each min-cut (a 6-block GPT's joint graph planned at
+budget 0: 27 modules written, 2.7 s of the nine min-cuts' 12.4 s under cProfile;
+benchmarks/planning.py had set the flag itself). The private class ``_LazyGraphModule`` (checked on
+torch 2.11, 2.13 and 2.14) and flag ``_use_lazy_graph_module`` (checked on 2.13 and 2.14,
+tests/test_compile.py) are used here only; both have been in torch since 2.3; without them, plain
+modules. What runs a module op by op (the eager lowering) writes its code first (``write_code``).
 """
 from __future__ import annotations
 
