@@ -464,6 +464,15 @@ def test_the_min_cuts_repeated_extractions_are_served_as_pytorch_makes_them(monk
     assert with_memo == plan(False)
 
 
+def _four_gelu_layers():
+    """(model, input, parameters, eager gradients of the sum of squares) of four Linear+GELU layers."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(4)])
+    x = torch.randn(8, 16)
+    params = list(model.parameters())
+    return model, x, params, torch.autograd.grad(model(x).pow(2).sum(), params)
+
+
 def test_a_captured_joint_graph_planned_outside_dynamo_gets_lazy_modules_from_the_min_cut(monkeypatch):
     """passes/lazy_module.py lazy_modules: remat.pareto and remat.fit plan captured joint graphs again
     outside Dynamo, which is what sets ``torch.fx._lazy_graph_module._use_lazy_graph_module`` (private;
@@ -478,9 +487,7 @@ def test_a_captured_joint_graph_planned_outside_dynamo_gets_lazy_modules_from_th
     from remat_fx.passes import partition
     from remat_fx.pareto import _capture, _tracing
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(4)])
-    x = torch.randn(8, 16)
+    model, x, _, _ = _four_gelu_layers()
     loss = lambda x: model(x).pow(2).sum()  # noqa: E731
     ((gm, joint_inputs, kwargs),) = _capture(loss, (x,), {"lower": "eager", "memory_budget": 0.0})
     compiled = remat.last_plan()
@@ -521,11 +528,7 @@ def test_the_min_cuts_max_flow_is_boykov_kolmogorovs_and_the_plans_are_the_defau
         return real(flowG, s, t, capacity=capacity, flow_func=flow_func, **kwargs)
 
     monkeypatch.setattr(networkx, "minimum_cut", spy)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(4)])
-    x = torch.randn(8, 16)
-    params = list(model.parameters())
-    want = torch.autograd.grad(model(x).pow(2).sum(), params)
+    model, x, params, want = _four_gelu_layers()
 
     def plans():
         found = []
@@ -575,11 +578,7 @@ def test_the_partitions_modules_write_their_code_when_first_called(monkeypatch):
 
     monkeypatch.setattr(lower, "partition", spy)
     monkeypatch.setattr(partitioners, "raise_getitems", raise_getitems)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(4)])
-    x = torch.randn(8, 16)
-    params = list(model.parameters())
-    want = torch.autograd.grad(model(x).pow(2).sum(), params)
+    model, x, params, want = _four_gelu_layers()
     f = _compile(model, memory_budget=0.0)
     got = torch.autograd.grad(f(x).pow(2).sum(), params)
     assert len(handed) == 1
