@@ -474,11 +474,12 @@ def _four_gelu_layers():
 
 
 def test_a_captured_joint_graph_planned_outside_dynamo_gets_lazy_modules_from_the_min_cut(monkeypatch):
-    """passes/lazy_module.py lazy_modules: remat.pareto and remat.fit plan captured joint graphs again
-    outside Dynamo, which is what sets ``torch.fx._lazy_graph_module._use_lazy_graph_module`` (private;
-    checked on torch 2.13 and 2.14 here). Inside remat's partition the modules PyTorch's min-cut makes
-    are lazy there too (none has written its code when ``raise_getitems`` gets it), and the flag is as
-    it was once the partition is done; the plan is the one a compile makes."""
+    """passes/lazy_module.py lazy_modules: remat.pareto plans captured joint graphs again outside
+    Dynamo (remat.fit and the whole-step planner lower a step's graphs again there), and Dynamo is what
+    sets ``torch.fx._lazy_graph_module._use_lazy_graph_module`` (private; checked on torch 2.13 and 2.14
+    here). Inside remat's partition the modules PyTorch's min-cut makes are lazy there too (none has
+    written its code when ``raise_getitems`` gets it), and the flag is as it was once the partition is
+    done; the plan is the one a compile makes."""
     from torch._functorch import partitioners
     from torch.fx import _lazy_graph_module
     from torch.fx._lazy_graph_module import _LazyGraphModule
