@@ -30,6 +30,7 @@ def _compiled_plan(options):
     return plan.total_bytes, plan.peak.step, plan.rerun.reruns if plan.rerun is not None else 0
 
 
+@pytest.mark.slow
 def test_planning_benchmark_replans_the_compiles_plan_and_splits_its_time(tmp_path, monkeypatch):
     # the plan cache on, as for a user: the benchmark turns it off while it plans (a second planning
     # of a variant would otherwise replay the first's plan in one min-cut) and back on after

@@ -121,6 +121,7 @@ def _close(got, want):
 # -- budgets respected ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.slow
 def test_budgets_respected_against_held_bytes_with_the_gradients_of_a_run_without_recompute(name):
     """Each model with dropout (0.3) at budgets 0, 0.35, 0.7 and a byte size: the saved-tensor hooks
     hold what the plan says it saves, within the budget's target, and the gradients are those of the
@@ -148,6 +149,7 @@ def test_budgets_respected_against_held_bytes_with_the_gradients_of_a_run_withou
 
 
 @pytest.mark.parametrize("name", ["gpt", "hf_gpt2"])
+@pytest.mark.slow
 def test_sweep_is_monotone(name):
     model, inputs = MODELS[name]()
     fractions = [1.0, 0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05, 0.0]
@@ -175,6 +177,7 @@ def test_infeasible_budget_names_the_minimum_and_what_stays():
         _step(model, inputs, {"memory_budget": 16})
 
 
+@pytest.mark.slow
 def test_user_tags_win_over_any_budget():
     model, inputs = _gpt(checkpoint="remat", policy="save_matmuls")
     options = {"recompute": ["layers.1.mlp.up"]}
@@ -190,6 +193,7 @@ def test_user_tags_win_over_any_budget():
         _close(grads, want)
 
 
+@pytest.mark.slow
 def test_budget_recomputes_and_saves_inside_regions():
     """PREFER_RECOMPUTE (a region's default) is the budget's to decide: a generous byte budget
     saves inside regions and recomputes less than the plan without a budget."""
@@ -261,6 +265,7 @@ def test_inductor_lowering_respects_the_budget():
     _close(grads, want)
 
 
+@pytest.mark.slow
 def test_cost_models_differ_where_they_should():
     """Under Inductor ('auto') pointwise recompute is free; with the eager lowering it costs memory
     traffic, so the eager-lowered plan at the same budget recomputes fewer pointwise ops."""
@@ -272,6 +277,7 @@ def test_cost_models_differ_where_they_should():
     assert flops_only.recompute_flops <= pts["eager"].recompute_flops
 
 
+@pytest.mark.slow
 def test_pareto_plans_the_joint_graph_a_compile_plans_under_its_lowering():
     """remat.pareto (and benchmarks/planning.py) capture the joint graph a compile's partition sees
     under the lowering asked for, without lowering anything: under Inductor, after Inductor's own
@@ -574,6 +580,7 @@ def _blocks_of(plan):
     return found
 
 
+@pytest.mark.slow
 def test_blocks_alike_saves_the_same_in_every_block_with_the_same_gradients():
     """A 4-block GPT at memory_budget 0.6: the fastest plan keeps the MLP activation of 3 blocks;
     with blocks_alike every block saves the same ops, within the budget, and the gradients are
@@ -617,6 +624,7 @@ def test_pareto_writes_table_csv_plot(tmp_path):
     assert len(csv) == 4 and csv[0].split(",")[-1] == "solve_ms"  # the figures; each point's plans are not in it
 
 
+@pytest.mark.slow
 def test_pareto_cli(tmp_path):
     import pathlib
     import subprocess

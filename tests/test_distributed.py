@@ -410,6 +410,7 @@ def _collective_in_region(rank):
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+@pytest.mark.slow
 def test_compiled_under_ddp_and_fsdp2(engine):
     """backend="remat" under DDP (DDPOptimizer splits the model into graphs at its gradient
     buckets) and FSDP2 (fully_shard per block; compiled per block, or the whole model): per rank,
@@ -491,6 +492,7 @@ def test_compiled_under_ddp_and_fsdp2(engine):
 
 
 @pytest.mark.parametrize("precision", [[], ["--mixed-precision"]], ids=["fp32", "bf16 policy"])
+@pytest.mark.slow
 def test_train_distributed_example_runs_under_torchrun(precision):
     """examples/train_distributed.py (FSDP2 + backend="remat" + a memory budget), shrunk, under
     torchrun with 2 gloo ranks, in fp32 and under FSDP2's bf16 mixed-precision policy: it trains
@@ -664,6 +666,7 @@ def _fit_worker(rank):
                 infeasible=infeasible)
 
 
+@pytest.mark.slow
 def test_fit_under_fsdp2_decides_on_every_rank_s_measurements_together():
     """remat.fit on 2 FSDP2 ranks whose steps measure different peaks (rank 1 has twice the batch):
     every decision is taken on the largest of the ranks' measured peaks (remat_fx/ranks.py agreed),
@@ -723,6 +726,7 @@ def _mixed_precision_worker(rank):
     return dict(eager=eager, results=results, fp32=fp32, regions=regions)
 
 
+@pytest.mark.slow
 def test_fsdp2_with_a_bf16_mixed_precision_policy():
     """FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, each block
     compiled with backend="remat": per rank, every budget gives the gradients of the same compiled
@@ -774,6 +778,7 @@ def _autocast_worker(rank):
     return eager, {label: run(dict(lower="eager", **BUDGETS[label])) for label in ("none", "0.3", "0")}
 
 
+@pytest.mark.slow
 def test_ddp_under_bf16_autocast():
     """DDP compiled with backend="remat" (DDPOptimizer: one graph per gradient bucket) in a bf16
     autocast forward: per rank, budgets 0.3 and 0 give the gradients of no budget bit for bit, and

@@ -49,6 +49,7 @@ def test_lowered_peak_is_read_on_this_torch():
 
 
 @pytest.mark.skipif(not lowered_peak.available(), reason="this torch lacks the scheduler names lowered_peak.py reads")
+@pytest.mark.slow
 def test_byte_peak_budget_holds_on_the_lowered_graphs_where_the_estimate_is_low(monkeypatch):
     """A 2-layer Hugging Face Llama under Inductor (benchmarks/llama_depth.py's model, smaller),
     with the FX estimate 512 KiB low, as it may miss what Inductor does (the fusions that pull a

@@ -251,6 +251,7 @@ def test_peak_budget_solves_the_target_over_the_cap_again_with_blocks_alike(alik
         assert found[2].peak.step == 1600 == found[2].peak_budget
 
 
+@pytest.mark.slow
 def test_budget_zero_is_held_in_per_layer_checkpointings_time_and_the_step_planner_takes_the_least_peak():
     """A 6-block GPT's joint graph planned for Inductor (nothing lowered). Budget 0 by default: its
     reruns within per-layer checkpointing's estimated step, then held under budget 0.05's own plan
@@ -306,6 +307,7 @@ def test_budget_zero_is_held_in_per_layer_checkpointings_time_and_the_step_plann
 
 
 @pytest.mark.parametrize("shape, blocks_meet", [((6, 32, 32, 64), False), ((4, 64, 64, 64), True)])
+@pytest.mark.slow
 def test_budget_zero_toward_its_cap_also_reruns_whole_blocks_first(monkeypatch, shape, blocks_meet):
     """Budget 0's reruns toward the envelope's cap (budget 0.05's plan) on a backward of numbered
     blocks search whole blocks first, and value by value only where the blocks' plan does not meet
@@ -357,6 +359,7 @@ def test_budget_zero_toward_its_cap_also_reruns_whole_blocks_first(monkeypatch, 
 
 
 @pytest.mark.parametrize("lower", ["inductor", "eager"])
+@pytest.mark.slow
 def test_rerun_searches_of_one_backward_simulate_each_program_once_and_plan_the_same(monkeypatch, lower):
     """rerun.Searched: the two rankings under a time allowance, and a later search of the same
     backward toward a cap, take their first steps from the programs earlier searches simulated;
@@ -850,6 +853,7 @@ def test_reruns_that_later_reruns_make_needless_are_taken_out_under_the_eager_lo
         torch.testing.assert_close(grads[k], v, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_lowest_peak_search_also_reruns_whole_blocks_first_and_keeps_the_faster_of_two_near_peaks(monkeypatch):
     """At budget 0 with peak_slack 0 (the least peak) on a model of numbered blocks (the example
     GPT's ``blocks.<i>``) a second rerun search first reruns each block whole, from its input, as per-block checkpointing does, each
@@ -1018,6 +1022,7 @@ def _grads(model, inputs, fn):
     return out
 
 
+@pytest.mark.slow
 def test_rerun_makes_the_peak_fall_with_the_budget():
     """Estimated step peaks never rise as the memory budget shrinks under the default peak_slack
     (without reruns they did: at 0 the backward recomputed every layer before the last layer's
@@ -1373,6 +1378,7 @@ def test_inductor_liveness_reads_a_reduction_as_its_own_buffer():
 
 # -- peak tie-break: among plans of about the same time under the budget, the lowest peak -------
 
+@pytest.mark.slow
 def test_peak_slack_picks_the_lowest_estimated_peak_within_the_slack():
     """With a fractional budget the plan may save less than the budget allows when that lowers the
     estimated step peak for at most peak_slack more estimated step time; peak_slack=0 gives the
@@ -1512,6 +1518,7 @@ def test_monotone_envelope_holds_the_nearby_target_under_the_ones_above_it_optio
         "0.1's first plan held under 0.15's first plan, where budget 0.1 itself goes down to 162,180 (0.15 being "
         "held under 0.2's); monotone=3 or 'grid' see that (docs/budgets.md)")),
     "grid"])
+@pytest.mark.slow
 def test_estimated_peak_is_non_increasing_down_the_low_budgets(monotone):
     """The issue's "monotone by construction, in the estimate": each smaller memory budget's
     estimated step peak at most the larger one's (the test GPT, eager lowering). Option
@@ -1655,6 +1662,7 @@ def llama_step(loss, model, ids):
     return grads, peak
 
 
+@pytest.mark.slow
 def test_measured_peak_never_rises_as_the_budget_falls_on_an_8_layer_llama_under_inductor():
     """The whole step of an 8-layer Hugging Face Llama (from a LlamaConfig; benchmarks/llama_depth.py)
     lowered by Inductor: the measured step peak (profiler memory timeline) does not rise as the
@@ -1695,6 +1703,7 @@ def test_measured_peak_never_rises_as_the_budget_falls_on_an_8_layer_llama_under
     assert zero.reruns > 0 and (plan.budget.held_by == "0.05" or zero.cost_s <= zero.allowance_s), (plan.budget, zero)
 
 
+@pytest.mark.slow
 def test_estimated_peak_never_rises_as_the_budget_falls_on_a_wide_llama_under_the_eager_lowering():
     """The H200 table's 8-layer Llama at 1/8 scale (hidden 256, vocab 4,000, batch 4 x 256: its
     vocab/hidden and tokens/hidden ratios), the eager lowering, whose measured peak is the estimate

@@ -46,6 +46,7 @@ def _run(tmp_path, budget, monotone="nearest"):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_second_process_makes_the_searched_plan_in_one_partition(tmp_path):
     # budget 0.5 under monotone="grid": a long search (50-odd partitions) whose plan the envelope held
     # under budget 0.6's, so the entry carries the search's notes on the report (in-process replays
@@ -185,6 +186,7 @@ def _aot_runner(tmp_path, options):
     return run
 
 
+@pytest.mark.slow
 def test_a_second_process_loads_the_graphs_from_aotautograds_cache_with_their_plan(tmp_path):
     """Inductor: the second process's AOTAutograd cache hits skip the joint graphs' tracing and
     partition, for the graphs compiled under a byte memory_budget (the second graph's is what the
@@ -227,6 +229,7 @@ def test_a_failed_write_leaves_neither_a_partial_entry_nor_its_temporary_file(tm
     assert sorted(p.name for p in path.parent.iterdir()) == ["plan-x.json"]
 
 
+@pytest.mark.slow
 def test_a_byte_peak_budget_caches_the_lowering_that_met_it_in_inductors_schedule(tmp_path):
     """A byte peak_budget is checked against Inductor's schedules of the lowered graphs: the first
     process's lowering that met it is what AOTAutograd's cache keeps, and the second process loads

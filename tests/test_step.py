@@ -411,6 +411,7 @@ def test_a_byte_memory_budget_below_the_whole_steps_minimum_is_a_budget_error():
     assert "Raise the budget to at least 1,048,576 bytes" in str(info.value)
 
 
+@pytest.mark.slow
 def test_whole_step_peak_fractions_are_monotone():
     peaks, estimates = [], []
     for fraction in (1.0, 0.5, 0.0):
@@ -492,6 +493,7 @@ print(json.dumps({{"fraction": result.fraction, "cached": result.cached, "tried"
 '''
 
 
+@pytest.mark.slow
 def test_fit_fits_the_measured_peak_and_a_second_process_takes_the_cached_plan(tmp_path):
     (tmp_path / "model.py").write_text(MODEL)
     free = _measure(make({"lower": "eager"})[1])
@@ -559,6 +561,7 @@ def test_a_graph_lowered_again_under_inductor_gives_eager_gradients():
 
 
 @pytest.mark.parametrize("how", ["fit", "peak_budget"])
+@pytest.mark.slow
 def test_a_graph_lowered_again_keeps_the_autocast_it_was_compiled_under(how):
     """remat.fit and the whole-step planner lower the step's graphs again outside the user's
     torch.autocast: they must trace under the autocast the graph was compiled under (Dynamo guards
@@ -698,6 +701,7 @@ class _LogitsModel(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+@pytest.mark.slow
 def test_reruns_the_step_does_not_need_are_dropped_when_the_backward_compiles(monkeypatch):
     """A graph's reruns are searched alone; when its backward compiles, the step shows its peak is
     the loss graph's backward, and only the reruns that bring the model's backward under that are
