@@ -632,14 +632,17 @@ def test_pareto_cli(tmp_path):
 
     root = pathlib.Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-m", "remat_fx", "pareto", f"{root}/examples/gpt.py:pareto_example",
-                          "--budgets", "0.5,1", "--lower", "eager", "--out", str(tmp_path), "--no-progress"],
+                          "--budgets", "1,64MiB", "--lower", "eager", "--out", str(tmp_path), "--no-progress"],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| budget | target | saved |" in out.stdout and "feasible saved bytes" in out.stdout
+    # a fraction and a size string (both at or over the plan without a budget: no search to wait for)
+    assert "\n| 1 | " in out.stdout and "\n| 64.00 MiB | 64.00 MiB | " in out.stdout, out.stdout
     assert (tmp_path / "pareto.md").exists()
-    bad = subprocess.run([sys.executable, "-m", "remat_fx", "pareto", "nothing_here"], capture_output=True,
-                         text=True, timeout=120, cwd=tmp_path)
-    assert bad.returncode != 0 and "TARGET must be 'module:function' or 'file.py:function'" in bad.stderr
+    # a bad TARGET: the same main(), in this process (a second interpreter would spend 5 s importing torch)
+    from remat_fx.__main__ import main
+    with pytest.raises(SystemExit, match="TARGET must be 'module:function' or 'file.py:function', got 'nothing_here'"):
+        main(["pareto", "nothing_here"])
 
 
 def test_profile_cost_model_respects_the_budget():
