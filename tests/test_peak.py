@@ -65,7 +65,8 @@ def _measure(model, inputs, options, grads=False):
     model.zero_grad(set_to_none=True)
     step()
     plan = remat.last_plan()
-    got = [p.grad.clone() for p in model.parameters()]
+    # only when asked for: a parameter the step does not use has no gradient to copy
+    got = [p.grad.clone() for p in model.parameters()] if grads else None
     model.zero_grad(set_to_none=True)
     for t in inputs:
         t.grad = None
