@@ -1041,12 +1041,12 @@ def test_rerun_makes_the_peak_fall_with_the_budget():
     sweep = (1.0, 0.6, 0.2, 0.0)
     for budget in sweep:
         for slack in (0.0, 0.03):
+            options = {"memory_budget": budget, "peak_slack": slack}
             if (budget, slack) == (0.0, 0.0):  # the least peak, measured below
-                plan, on_peak, got = _measure(model, inputs, {"memory_budget": 0.0, "peak_slack": 0}, grads=True)
+                plan, on_peak, got = _measure(model, inputs, options, grads=True)
             else:
                 torch._dynamo.reset()
-                f = torch.compile(model, backend="remat", fullgraph=True,
-                                  options={"lower": "eager", "memory_budget": budget, "peak_slack": slack})
+                f = torch.compile(model, backend="remat", fullgraph=True, options={"lower": "eager", **options})
                 got = _grads(model, inputs, f)
                 plan = remat.last_plan()
             for a, b in zip(got, want):
