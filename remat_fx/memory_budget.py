@@ -50,11 +50,19 @@ def parse_budget(value, what: str = "memory_budget",
             raise ValueError(f"{hint}; got a negative size {value}")
         return Budget(nbytes=value)
     if isinstance(value, float):
-        if math.isnan(value) or not 0.0 <= value <= 1.0:
+        if math.isnan(value):
+            raise ValueError(f"{hint}; got nan")
+        if value < 0:
+            raise ValueError(f"{hint}; got a negative fraction {value!r}")
+        if value > 1:
             raise ValueError(f"{hint}; got {value!r} (a float must be a fraction; for a size write an int "
                              f"number of bytes or a string with a unit, e.g. '{value:g}GiB')")
         return Budget(fraction=value)
     if isinstance(value, str):
+        stripped = value.strip()
+        if stripped.startswith("-") and _SIZE.match(stripped[1:]):
+            kind = "percentage" if stripped.endswith("%") else "size"
+            raise ValueError(f"{hint}; got a negative {kind} {value!r}")
         m = _SIZE.match(value)
         if m:
             number, unit = float(m.group(1)), m.group(2).lower()
