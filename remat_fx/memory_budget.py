@@ -50,8 +50,8 @@ def parse_budget(value, what: str = "memory_budget",
             raise ValueError(f"{hint}; got a negative size {value}")
         return Budget(nbytes=value)
     if isinstance(value, float):
-        if math.isnan(value):
-            raise ValueError(f"{hint}; got nan")
+        if not math.isfinite(value):
+            raise ValueError(f"{hint}; got {value!r}")
         if value < 0:
             raise ValueError(f"{hint}; got a negative fraction {value!r}")
         if value > 1:

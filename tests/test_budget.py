@@ -374,8 +374,8 @@ def test_parse_budget(value, want):
 
 @pytest.mark.parametrize("value, message", [
     (True, r"got True"), (-5, r"got a negative size -5"), (1.01, r"a float must be a fraction"),
-    (-0.1, r"got a negative fraction -0.1$"), (float("nan"), r"got nan$"), ("-3MiB", r"got a negative size '-3MiB'$"),
-    (" -50% ", r"got a negative percentage ' -50% '$"),
+    (-0.1, r"got a negative fraction -0.1$"), (float("nan"), r"got nan$"), (float("inf"), r"got inf$"),
+    ("-3MiB", r"got a negative size '-3MiB'$"), (" -50% ", r"got a negative percentage ' -50% '$"),
     ("120%", r"a percentage is at most 100%"), ("lots", r"got 'lots' \(units:"), ([1], r"got list"),
 ])
 def test_parse_budget_errors(value, message):
