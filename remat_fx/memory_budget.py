@@ -15,7 +15,7 @@ from typing import Optional
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*$")
+_SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*$")  # a sign: named below
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,11 @@ def parse_budget(value, what: str = "memory_budget",
                              f"number of bytes or a string with a unit, e.g. '{value:g}GiB')")
         return Budget(fraction=value)
     if isinstance(value, str):
-        stripped = value.strip()
-        if stripped.startswith("-") and _SIZE.match(stripped[1:]):
-            kind = "percentage" if stripped.endswith("%") else "size"
-            raise ValueError(f"{hint}; got a negative {kind} {value!r}")
         m = _SIZE.match(value)
         if m:
             number, unit = float(m.group(1)), m.group(2).lower()
+            if number < 0 and (unit == "%" or unit in _UNITS):
+                raise ValueError(f"{hint}; got a negative {'percentage' if unit == '%' else 'size'} {value!r}")
             if unit == "%":
                 if number > 100:
                     raise ValueError(f"{hint}; got {value!r} (a percentage is at most 100%)")
