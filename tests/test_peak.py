@@ -642,9 +642,10 @@ def test_on_cuda_a_gradient_whose_kernel_reads_the_labels_through_a_pad_is_not_w
         assert peaks[True] == (2 * logits + 1040, ["constant_pad_nd", "mm", "sub_1"])
 
 
-def _rerun_cast(device: str, readers: int, N=64) -> fx.GraphModule:
-    """A weight cast to bf16 for a matmul, then a wide temporary, then the cast again for a later
-    matmul (a rerun's copy, ``RERUN_OF`` the first), read through a transpose by ``readers`` kernels."""
+def _rerun_cast(device: str, readers: int, N=64, chain: int = 0) -> fx.GraphModule:
+    """A weight cast to bf16 for a matmul, then a wide temporary (through ``chain`` more matmuls),
+    then the cast again for a later matmul (a rerun's copy, ``RERUN_OF`` the first), read through a
+    transpose by ``readers`` kernels."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -652,15 +653,18 @@ def _rerun_cast(device: str, readers: int, N=64) -> fx.GraphModule:
 
     aten, prims = torch.ops.aten, torch.ops.prims
 
-    def backward(w, a):
+    def backward(w, a, s):
         first = aten.mm.default(a, aten.t.default(prims.convert_element_type.default(w, torch.bfloat16)))
         wide = aten.mm.default(aten.exp.default(aten.mm.default(first, aten.t.default(a))), a)  # N x 4N
+        for _ in range(chain):
+            wide = aten.mm.default(wide, s)
         again = aten.t.default(prims.convert_element_type.default(w, torch.bfloat16))
         return tuple(aten.mm.default(wide, again) for _ in range(readers))
 
     with FakeTensorMode():
         gm = make_fx(backward)(torch.empty(N, N, device=device), torch.empty(4 * N, N, dtype=torch.bfloat16,
-                                                                              device=device))
+                                                                              device=device),
+                               torch.empty(N, N, dtype=torch.bfloat16, device=device))
     casts = [n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
     casts[1].meta[RERUN_OF] = casts[0].name
     return gm
@@ -687,6 +691,28 @@ def test_on_cuda_a_rerun_copy_near_its_original_is_computed_in_its_kernel(device
     plain = _rerun_cast(device, readers)  # the same graph, the second cast not a rerun's copy
     del [n for n in plain.graph.nodes if n.target is torch.ops.prims.convert_element_type.default][1].meta[RERUN_OF]
     assert top - alive_at_peak(plain, {"a"}, inline=True)[0] == (cast if hoisted else 0)
+
+
+@pytest.mark.parametrize("between", [63, 64])
+def test_on_cuda_a_rerun_copy_is_computed_in_its_originals_kernel_only_within_64_kernels(between):
+    """passes/peak.py fused_back: Inductor fuses two kernels that read one buffer only when fewer than
+    64 of its nodes lie between them (choices.py ``are_long_distant_nodes``). Both liveness walks
+    count them alike: the graph's, and the rerun search's program (passes/rerun.py, which counts
+    the kernels of each program once, not once per copy)."""
+    from remat_fx.passes.peak import is_kernel
+    from remat_fx.passes.rerun import _Program
+
+    def kernels(gm):  # between the two casts, as fused_back counts them
+        nodes = list(gm.graph.nodes)
+        casts = [i for i, n in enumerate(nodes) if n.target is torch.ops.prims.convert_element_type.default]
+        return sum(is_kernel(n, lambda x: x.users, lambda x: x, set(), {}) for n in nodes[casts[0] + 1:casts[1]])
+
+    base = kernels(_rerun_cast("cuda", 1))
+    gm = _rerun_cast("cuda", 1, chain=between - base)
+    assert kernels(gm) == between
+    top, _, alive = alive_at_peak(gm, {"a"}, inline=True)
+    assert ("convert_element_type_1" in {k.name for _, k in alive}) == (between < 64)
+    assert max(_Program(gm, {"a"}, {}, inline=True).simulate()[0]) == top
 
 
 @pytest.mark.parametrize("device, buffers", [("cpu", 2), ("cuda", 1)])

@@ -104,6 +104,7 @@ class NodeFacts(NamedTuple):
     takes_inside: bool  # computes an input Inductor has not realised inside it: fusible, or a cat
     reduced: bool  # realised_reduction: a reader loads it as one buffer, whatever the reduction read
     in_place: bool  # written_in_place: its output may be written over an input dying in it
+    reduction: bool  # an op tagged a reduction (Inductor gives it a node of its own: fused_back)
 
 
 def node_facts(node: fx.Node, memo: dict) -> NodeFacts:
@@ -116,8 +117,12 @@ def node_facts(node: fx.Node, memo: dict) -> NodeFacts:
         found = memo[node] = NodeFacts(inlinable_op(node), can_fuse, is_view(node, base), pointwise_op(node),
                                        _on_cpu(node), base, indexed_read(node), not node.all_input_nodes,
                                        can_fuse or node.target is _CAT, realised_reduction(node),
-                                       written_in_place(node))
+                                       written_in_place(node), _reduction(node))
     return found
+
+
+def _reduction(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.reduction in node.target.tags
 
 
 def inlined_nodes(order: Iterable, inputs: Callable, users: Callable, src: Callable = lambda n: n,
@@ -406,7 +411,7 @@ _FUSED_WITHIN = 64  # Inductor fuses two kernels that read one buffer only this 
 
 
 def fused_back(original, copy, order: list, position: dict, inputs: Callable, users: Callable, src: Callable,
-               inlined: Set, facts: dict) -> bool:
+               inlined: Set, facts: dict, kernels: Optional[Callable[[int, int], int]] = None) -> bool:
     """Whether Inductor on CUDA computes the rerun ``copy`` (a pointwise kernel) in the kernel of its
     ``original``: the two read the same buffers, and fewer than ``_FUSED_WITHIN`` kernels lie
     between them (Inductor's horizontal fusion; choices.py ``are_long_distant_nodes``), so the copy's
@@ -418,10 +423,16 @@ def fused_back(original, copy, order: list, position: dict, inputs: Callable, us
     kernels' loads no longer match (in the same run the copies of two MLP weights' casts, read
     through a transpose by three kernels, kept kernels of their own 85 nodes on). ``order`` /
     ``position``: the program and each item's index in it; ``inputs`` / ``users``: an item's
-    producers and readers; ``inlined``: its items computed inside their readers."""
+    producers and readers; ``inlined``: its items computed inside their readers; ``kernels(i, j)``:
+    ``kernels_between``'s count over ``order[i:j]``, if the caller keeps one (a program with many
+    copies asks it of many spans: passes/rerun.py counts them once per program)."""
     mine = facts.get(src(copy)) or node_facts(src(copy), facts)
     if mine.on_cpu or not mine.pointwise or copy in inlined or original in inlined or \
             position[copy] < position[original]:
+        return False
+    # the same buffers read first: a copy that reads other copies (most of a rerun's) is answered here
+    a, b = list(inputs(original)), list(inputs(copy))
+    if len(a) != len(b) or any(x is not y for x, y in zip(a, b)):
         return False
     for x in (original, copy):
         stack = list(users(x))
@@ -432,21 +443,27 @@ def fused_back(original, copy, order: list, position: dict, inputs: Callable, us
                 if len(readers_of_view) > 1:
                     return False
                 stack += readers_of_view
-    a, b = list(inputs(original)), list(inputs(copy))
-    if len(a) != len(b) or any(x is not y for x, y in zip(a, b)):
-        return False
-    between = 0  # Inductor's nodes between: what it materialises, and each reduction (a node of its own,
-    # fused into its reader's kernel later); not what nothing reads (a rerun's original left unread)
-    for x in order[position[original] + 1:position[copy]]:
-        node = src(x)
-        if not users(x):
-            continue
-        if (x not in inlined and not (facts.get(node) or node_facts(node, facts)).view) or \
-                (isinstance(node.target, torch._ops.OpOverload) and torch.Tag.reduction in node.target.tags):
+    lo, hi = position[original] + 1, position[copy]
+    if kernels is not None:
+        return kernels(lo, hi) < _FUSED_WITHIN
+    between = 0
+    for x in order[lo:hi]:
+        if is_kernel(x, users, src, inlined, facts):
             between += 1
             if between >= _FUSED_WITHIN:
                 return False
     return True
+
+
+def is_kernel(x, users: Callable, src: Callable, inlined: Set, facts: dict) -> bool:
+    """Whether Inductor's order has a node for ``x`` (``fused_back`` counts those between a copy and
+    its original): what it materialises, and each reduction (a node of its own, fused into its
+    reader's kernel later); not what nothing reads (a rerun's original left unread)."""
+    if not users(x):
+        return False
+    node = src(x)
+    f = facts.get(node) or node_facts(node, facts)
+    return (x not in inlined and not f.view) or f.reduction
 
 
 def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,
