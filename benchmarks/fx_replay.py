@@ -9,8 +9,13 @@ A backward's saved inputs take their strides from its forward (``--forward``): s
 not contiguous. Rerun copies (``name_rerunN``) are marked as copies of ``name``.
 
     python benchmarks/fx_replay.py BACKWARD.py[.gz] [--forward FORWARD.py[.gz]] [--device cuda]
+                                   [--search [--repeat N]]
 
 With the forward, the figures are remat's own estimate of the pair (the plan's ``peak``).
+``--search`` (with ``--forward``) then times remat's rerun search on the backward, toward the
+lowest peak it finds with the cost model left out (passes/rerun.py ``rerun_for_peak``): its reruns,
+the peak before and after, the programs it simulated and its seconds (the fastest of ``--repeat``
+runs), the planning work a CUDA compile does on a graph of that size, here without the GPU.
 """
 from __future__ import annotations
 
@@ -109,13 +114,47 @@ def estimate(printed_bw: str, printed_fw: str, device: str = "cuda"):
     return peak.estimate(fw, bw, users, inline=True), bw, peak.backward_inputs(fw, bw, users)
 
 
+def search(bw: fx.GraphModule, inputs, repeat: int = 1) -> str:
+    """One line: the rerun search on ``bw`` (``inputs``: its peak.backward_inputs), timed."""
+    import time
+
+    from remat_fx.passes import rerun
+
+    best = None
+    for _ in range(max(1, repeat)):
+        simulated, real = [0], rerun._Program.simulate
+
+        def counted(self):
+            simulated[0] += 1
+            return real(self)
+
+        rerun._Program.simulate = counted
+        try:
+            t0 = time.perf_counter()
+            _, report = rerun.rerun_for_peak(bw, inputs.counted, inputs.shared, 0, 0, lambda node: 1e-6, inline=True,
+                                             donated=inputs.donated)
+            seconds = time.perf_counter() - t0
+        finally:
+            rerun._Program.simulate = real
+        if best is None or seconds < best[0]:
+            best = (seconds, report, simulated[0])
+    seconds, report, simulated = best
+    return (f"rerun search (lowest peak, cost model left out): {report.reruns} reruns, the backward's peak "
+            f"{report.peak_before / 2**20:.1f} -> {report.peak_after / 2**20:.1f} MiB, {simulated} programs "
+            f"simulated, {seconds:.2f} s")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("backward")
     ap.add_argument("--forward", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--search", action="store_true", help="time the rerun search on the backward (needs --forward)")
+    ap.add_argument("--repeat", type=int, default=1, help="with --search: runs, the fastest kept")
     args = ap.parse_args()
+    if args.search and not args.forward:
+        ap.error("--search needs --forward: the backward's saved inputs take their sizes and strides from it")
     if args.forward:
         est, gm, inputs = estimate(read(args.backward), read(args.forward), args.device)
         print(f"remat's estimate of the pair: forward {est.forward / 2**20:.1f} MiB, backward {est.backward / 2**20:.1f} "
@@ -130,6 +169,8 @@ def main():
           "alive there:")
     for nbytes, key in alive[:args.top]:
         print(f"  {nbytes / 2**20:9.1f} MiB  {getattr(key, 'name', key)}")
+    if args.search:
+        print(search(gm, inputs, args.repeat))
 
 
 if __name__ == "__main__":

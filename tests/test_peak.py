@@ -758,6 +758,20 @@ def test_the_h200_runs_backwards_are_estimated_at_or_just_over_inductors_schedul
     assert round(top, 1) == estimate and inductor <= top <= inductor * 1.035
 
 
+def test_the_h200_budget_01_backwards_rerun_search_replays_here():
+    """benchmarks/fx_replay.py --search: the rerun search on a backward an H200 compiled (budget 0.1,
+    tests/data/h200_llama8), replayed on fake CUDA tensors toward the lowest peak, the cost model
+    left out: the planning work of a CUDA compile, timed without the GPU (docs/benchmarks.md,
+    "Planning alone"). The search is deterministic: its reruns, peaks and simulations are these."""
+    from benchmarks import fx_replay
+
+    data = pathlib.Path(__file__).parent / "data" / "h200_llama8"
+    _, bw, inputs = fx_replay.estimate(fx_replay.read(str(data / "b0.1_bw.py.gz")),
+                                       fx_replay.read(str(data / "b0.1_fw.py.gz")))
+    line = fx_replay.search(bw, inputs)
+    assert "12 reruns, the backward's peak 2849.1 -> 2679.1 MiB, 16 programs simulated" in line, line
+
+
 def _module(g: fx.Graph) -> fx.GraphModule:
     """A backward-shaped test graph, every value a 4 x 4 float32 tensor."""
     gm = fx.GraphModule(torch.nn.Module(), g)
