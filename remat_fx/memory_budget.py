@@ -69,6 +69,8 @@ def parse_budget(value, what: str = "memory_budget",
                     raise ValueError(f"{hint}; got {value!r} (a percentage is at most 100%)")
                 return Budget(fraction=number / 100)
             if unit in _UNITS:
+                if not math.isfinite(number * _UNITS[unit]):
+                    raise ValueError(f"{hint}; got {value!r} (too large to be a number of bytes)")
                 return Budget(nbytes=int(round(number * _UNITS[unit])))
         raise ValueError(f"{hint}; got {value!r} (units: {', '.join(sorted(_UNITS, key=_UNITS.get))})")
     raise ValueError(f"{hint}; got {type(value).__name__} {value!r}")

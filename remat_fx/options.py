@@ -178,7 +178,7 @@ def _budget(value, what):
 
 
 def _rerun(value, what):
-    if value not in ("auto", True, False) or (value == 1 and not isinstance(value, bool)):
+    if not (isinstance(value, bool) or (isinstance(value, str) and value == "auto")):  # not 0, 1 or 0.0
         raise OptionError(f"{what} must be 'auto', True or False, got {value!r}")
     return value
 

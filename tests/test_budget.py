@@ -377,6 +377,7 @@ def test_parse_budget(value, want):
     (-0.1, r"got a negative fraction -0.1$"), (float("nan"), r"got nan$"), (float("inf"), r"got inf$"),
     ("-3MiB", r"got a negative size '-3MiB'$"), (" -50% ", r"got a negative percentage ' -50% '$"),
     ("120%", r"a percentage is at most 100%"), ("lots", r"got 'lots' \(units:"), ([1], r"got list"),
+    ("1e400MiB", r"got .1e400MiB. \(too large to be a number of bytes\)$"),
 ])
 def test_parse_budget_errors(value, message):
     with pytest.raises(ValueError, match=message):

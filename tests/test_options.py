@@ -110,3 +110,19 @@ def test_blocks_alike_rejects_what_is_neither(value):
                                                 r"'final' or the recompute it may add as a fraction of the forward's "
                                                 r"estimated time in \[0, 1\), e.g. 0.01, got "):
         remat.compile(_model(), blocks_alike=value)
+
+
+@pytest.mark.parametrize("value", [0, 1, 0.0, "yes", None])
+def test_rerun_takes_auto_or_a_bool_not_a_number_equal_to_one(value):
+    """0 == False and 1 == True in Python: neither is taken for the switch (0 was, and a budget's
+    searches then ran as if reruns were on, without any)."""
+    with pytest.raises(remat.OptionError, match=r"^remat_fx.compile: option 'rerun' must be 'auto', True or False, "
+                                                rf"got {value!r}$"):
+        remat.compile(_model(), rerun=value)
+
+
+@pytest.mark.parametrize("option", ["memory_budget", "peak_budget"])
+def test_a_size_too_large_for_a_number_of_bytes_is_named(option):
+    with pytest.raises(remat.OptionError, match=rf"^remat_fx.compile: option '{option}' takes a fraction .*; got "
+                                                r"'1e400MiB' \(too large to be a number of bytes\)"):
+        remat.compile(_model(), **{option: "1e400MiB"})
