@@ -688,6 +688,73 @@ def test_a_region_budget_that_does_not_bind_still_caps_its_region(overall):
     _close(grads, want)
 
 
+class _RandomRegion(torch.nn.Module):
+    """Region 'a' reads a random draw made outside it (u) and one of its own (w, a column): backward
+    reads tanh's output v (16 KiB, in 'a'), or recomputes it from p (from the input x, 16 KiB, and the
+    weight) and the two draws, which cannot be drawn again (saved). Held at its minimum, 'a' saves w
+    alone, 256 B, and the rest saves u and x: more in all than the fewest bytes of any plan."""
+
+    def __init__(self, budget):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w, self.budget = torch.nn.Parameter(torch.randn(64, 64)), budget
+
+    def forward(self, x):
+        p = x @ self.w
+        u = torch.rand(64, 64)
+        with remat.annotate("a", memory_budget=self.budget):
+            w = torch.rand(64, 1)
+            v = torch.tanh(p + u + w)
+        return v.sum()
+
+
+@pytest.mark.parametrize("overall", [1.0, 0.5, 0.0])
+def test_a_region_held_under_its_minimum_makes_the_rest_save_more_whatever_the_overall_budget(overall):
+    """The overall budget's range is that of the plans meeting the regions' budgets: its fraction 0
+    is the fewest bytes those plans save, 1 at least that. (It was the fewest of any plan, here v
+    alone: every overall budget, 1 included, was then refused as "the memory budgets cannot all be
+    met at once", and the peak searches' lower targets could fail the same way.)"""
+    x = torch.randn(64, 64, requires_grad=True)
+    _, want, _, free = _step(_RandomRegion(None), (x,), {})
+    _, grads, held, plan = _step(_RandomRegion(0.0), (x,), {"memory_budget": overall})
+    report = plan.budget
+    assert report.minimum == report.achieved == plan.total_bytes == 2 * 64 * 64 * 4 + 64 * 4  # u, x and w
+    assert report.maximum == max(free.total_bytes, report.minimum)
+    assert plan.budget.regions["a"].achieved == plan.budget.regions["a"].target == 64 * 4
+    assert held == plan.total_bytes
+    _close(grads, want)
+
+
+class _FormulaRegion(torch.nn.Module):
+    """tanh's backward reads 1 - v * v, which the partition without a budget computes in forward and
+    saves: a node of the backward's formula, not one of the forward's, in region 'a'."""
+
+    def __init__(self, budget):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w, self.budget = torch.nn.Parameter(torch.randn(64, 64)), budget
+
+    def forward(self, x):
+        with remat.annotate("pre", "save"):
+            h = torch.sin(x @ self.w)
+        with remat.annotate("a", memory_budget=self.budget):
+            v = torch.tanh(h.sum(-1, keepdim=True))
+        return v.sum()
+
+
+def test_a_region_budget_counts_what_the_plan_without_a_budget_saves_of_a_backward_formula():
+    """A region's maximum is what the plan without a budget saves there, as the plan's report counts
+    it. (It counted the forward's nodes only, found 0 bytes, took the plan without a budget as
+    fitting budget 0, and the compile failed at its own check: "the partition saves 1,024 bytes in
+    region 'a', over its memory budget's target 0. Please report this".)"""
+    x = torch.randn(256, 64, requires_grad=True)
+    _, want, _, _ = _step(_FormulaRegion(None), (x,), {})
+    _, grads, _, plan = _step(_FormulaRegion(0.0), (x,), {"memory_budget": 1.0})
+    region = plan.budget.regions["a"]
+    assert (region.target, region.achieved, region.maximum) == (0, 0, 256 * 4)
+    _close(grads, want)
+
+
 def test_budgets_that_cannot_hold_together_say_so():
     """v is read by backward: saved (8 bytes, in region g) or recomputed from u (8, outside g) and
     w (4, in g), which cannot be recomputed. 8 bytes in all forces saving v; 4 bytes in g forbids it."""

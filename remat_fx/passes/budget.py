@@ -212,22 +212,29 @@ def _fingerprint(problem: Problem, group: Optional[str], time_limit: float) -> t
             None if group is None else frozenset(problem.groups.get(group, ())), time_limit)
 
 
-def minimum(problem: Problem, group: Optional[str] = None, time_limit: float = 10.0) -> Tuple[int, Set[str]]:
-    """The fewest saved bytes of any valid plan (in ``group``'s storages, when given). Remembered
-    for the same problem: one compile's peak searches solve a graph at several budgets, each of
-    which needs this same minimum."""
-    key = _fingerprint(problem, group, time_limit)
+def minimum(problem: Problem, group: Optional[str] = None, time_limit: float = 10.0,
+            group_targets: Optional[Dict[str, int]] = None) -> Tuple[int, Set[str]]:
+    """The fewest saved bytes of any valid plan (in ``group``'s storages, when given), among those
+    that meet ``group_targets`` (regions' budgets: bytes saved in each), if given. Remembered for
+    the same problem: one compile's peak searches solve a graph at several budgets, each of which
+    needs this same minimum."""
+    targets = dict(group_targets or {})
+    key = _fingerprint(problem, group, time_limit) + \
+        (tuple(sorted((g, t, frozenset(problem.groups.get(g, ()))) for g, t in targets.items())),)
     if key in _MINIMA:
         _MINIMA.move_to_end(key)
         nbytes, saved = _MINIMA[key]
         return nbytes, set(saved)
-    nbytes, saved = _minimum(problem, group, time_limit)
+    nbytes, saved = _minimum(problem, group, time_limit, targets)
     _keep(_MINIMA, key, (nbytes, frozenset(saved)), _MINIMA_KEPT)
     return nbytes, saved
 
 
-def _minimum(problem: Problem, group: Optional[str], time_limit: float) -> Tuple[int, Set[str]]:
-    found = _milp(problem, None, {}, objective=("bytes", group), time_limit=time_limit)
+def _minimum(problem: Problem, group: Optional[str], time_limit: float,
+             group_targets: Dict[str, int]) -> Tuple[int, Set[str]]:
+    found = _milp(problem, None, group_targets, objective=("bytes", group), time_limit=time_limit)
+    if found == _INFEASIBLE and group_targets:  # each region's target is feasible alone (apply_budget)
+        raise BudgetInfeasible(_together(problem, None, group_targets))
     if found == _INFEASIBLE:
         found = None
     if found is None and closure(problem, set()) is None:
@@ -565,7 +572,9 @@ def apply_budget(joint: JointGraph, tags, plan, budgets: Dict[Optional[str], Bud
     for region, budget in budgets.items():
         if region is None:
             continue
-        gmax = problem.bytes_of(saved_now, region)
+        # what the plan without a budget saves there, as its report counts it (region_bytes): with what it
+        # saves of a backward formula that reads forward values only (no candidate: not in saved_now)
+        gmax = max(problem.bytes_of(saved_now, region), region_bytes(joint, plan, region, params))
         gmin, gsaved = minimum(problem, region, time_limit=limit)
         gmax = max(gmax, gmin)
         gtarget = budget.target(gmin, gmax)
@@ -575,6 +584,11 @@ def apply_budget(joint: JointGraph, tags, plan, budgets: Dict[Optional[str], Bud
         regions[region] = BudgetReport(str(budget), gtarget, 0, gmin, gmax, "none", 0.0, 0.0)
         group_targets[region] = gtarget  # a row even when it does not bind: freed bytes may not flow in
     budget = budgets.get(None)
+    if group_targets:
+        # the fewest bytes in all that the regions' targets leave: a region held under its own minimum can
+        # make the rest save more (what it would have recomputed from), so the overall budget's fraction 0
+        # is that, and fraction 1 at least that; the searches' lower targets (passes/peak.py) go no lower
+        min_bytes, min_saved = minimum(problem, time_limit=limit, group_targets=group_targets)
     maximum = max(maximum, min_bytes)
     if budget is not None:
         target = budget.target(min_bytes, maximum)
