@@ -703,6 +703,6 @@ def _infeasible(what: str, target: int, minimum_bytes: int, saved: Set[str], pro
     return BudgetInfeasible(
         f"remat_fx: {what} asks for at most {fmt_bytes(target)} ({target:,} bytes) of saved activations, below "
         f"the feasible minimum {fmt_bytes(minimum_bytes)} ({minimum_bytes:,} bytes) for this graph"
-        f"{f' in that region' if region else ''}. Even with everything recomputable recomputed, these stay "
-        f"saved (largest first):\n" + "\n".join(lines) + f"\n  Raise the budget to at least {minimum_bytes:,} "
+        f"{' in that region' if region else ''}. Even with everything recomputable recomputed, these stay "
+        "saved (largest first):\n" + "\n".join(lines) + f"\n  Raise the budget to at least {minimum_bytes:,} "
         f"bytes, or allow more recompute (MUST_SAVE tags from save globs and SAVE ops count against it).")
