@@ -28,6 +28,7 @@ import json
 import logging
 import pathlib
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional
@@ -103,15 +104,21 @@ def cached_options(graph: CompiledGraph, options: BackendOptions) -> Optional[Ba
         entry = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    graph.cached = True
+    graph.cached = scope  # this fit's, not an earlier one's in the process
     return shared_options(options, entry["fraction"])
 
 
 def _save(graphs, fraction, measured, scope: _Scope) -> None:
-    for g in graphs:
-        write_atomic(scope.directory / _entry(g, g.options, scope.limit),
-                     json.dumps({"fraction": fraction, "measured": measured, "limit": scope.limit,
-                                 "graph": g.key, "torch": torch.__version__}).encode())
+    """The choice, on disk for the next run; a folder that cannot be written is warned of, not raised
+    (the search's result stands)."""
+    try:
+        for g in graphs:
+            write_atomic(scope.directory / _entry(g, g.options, scope.limit),
+                         json.dumps({"fraction": fraction, "measured": measured, "limit": scope.limit,
+                                     "graph": g.key, "torch": torch.__version__}).encode())
+    except OSError as e:
+        warnings.warn(f"remat_fx: remat.fit could not keep its choice in {scope.directory} ({e}); the next run "
+                      f"searches again (cache_dir= a folder it can write, or cache=False)", stacklevel=3)
 
 
 def _limit(peak) -> int:
@@ -155,6 +162,7 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
 
     _ACTIVE.append(scope)
     STEP.leaves = {}
+    before = STEP.finished()  # an earlier step's calls: the step must begin a backward of its own
     try:
         run()  # compiles (from the cache where it has the graph)
         # the step's parameters, whose gradients each measurement counts
@@ -162,7 +170,7 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
     finally:
         _ACTIVE.remove(scope)
         STEP.leaves = None
-    calls = [g for g in STEP.finished() if g.plan is not None]
+    calls = [g for g in STEP.finished() if g.plan is not None] if STEP.finished() is not before else []
     if not calls:
         raise ValueError("remat_fx: remat.fit's step ran no graph compiled with backend='remat' that needs "
                          "gradients: it must run a forward and backward of a model compiled with "
@@ -171,23 +179,23 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
     STEP.planned[_signature(calls)] = "fit"  # the step coordinator leaves this step to the fit
     result = FitResult(limit, None, 0, graphs=len(graphs), calls=len(calls))
     # the cache is used only if every rank has the plans, and the same ones
-    mine = (all(getattr(g, "cached", False) for g in graphs), tuple(_fraction_of(g) for g in graphs))
-    if agreed(mine, lambda by_rank: all(c for c, _ in by_rank) and len({f for _, f in by_rank}) == 1):
+
+    def measure():  # the largest of the ranks' (one figure on every rank: the same decisions)
         _drop_grads(leaves)
-        measured = agreed(step_peak_bytes(run, device), max)
+        return agreed(step_peak_bytes(run, device), max)
+
+    mine = (all(g.cached is scope for g in graphs), tuple(_fraction_of(g) for g in graphs))
+    if agreed(mine, lambda by_rank: all(c for c, _ in by_rank) and len({f for _, f in by_rank}) == 1):
+        measured = max(measure(), measure())  # measured as the search measures (the margin, the larger of two)
         fraction = _fraction_of(graphs[0])
-        if measured <= limit:
+        if measured <= target:
             result.fraction, result.measured, result.cached = fraction, measured, True
             result.tried[fraction] = measured
             result.seconds = time.perf_counter() - t0
             log.info("%s", result)
             return result
-        log.warning("remat_fx: the cached plan measures %s, over the limit %s: searching again",
-                    fmt_bytes(measured), fmt_bytes(limit))
-
-    def measure():  # the largest of the ranks' (one figure on every rank: the same decisions)
-        _drop_grads(leaves)
-        return agreed(step_peak_bytes(run, device), max)
+        log.warning("remat_fx: the cached plan measures %s, over the limit %s less the margin %g (%s): searching "
+                    "again", fmt_bytes(measured), fmt_bytes(limit), margin, fmt_bytes(target))
 
     def evaluate(f):
         together(lambda: [g.relower(shared_options(g.options, f)) for g in graphs],

@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import os
+import tempfile
 import pathlib
 import pickle
 from dataclasses import dataclass
@@ -62,11 +63,15 @@ def source_digest(package: pathlib.Path = _PACKAGE) -> str:
 
 def write_atomic(path: pathlib.Path, data: bytes) -> None:
     """Writes ``path`` whole or not at all (a process reading it meanwhile sees the old file or the
-    new one): through a file of this process's own beside it, renamed over it. Raises OSError."""
+    new one): through a file of the writer's own beside it (a name no other writer has: not the
+    process id, which two threads, or two containers sharing the folder, have alike), renamed over
+    it. Raises OSError."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    tmp = pathlib.Path(name)
     try:
-        tmp.write_bytes(data)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)  # a full disk: no partial file left behind

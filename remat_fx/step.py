@@ -269,7 +269,7 @@ class CompiledGraph:
         self.active: Optional[BackendOptions] = None  # what it was lowered with
         self.over = False  # planned with less than the step's limit left for it
         self.first_compile = True  # compiled on its frame's first compile (not a recompile on new shapes)
-        self.cached = False  # compiled with a plan from remat.fit's cache
+        self.cached = None  # the remat.fit call (its scope) whose cache gave the plan it was compiled with
         self.seconds = 0.0  # compile time
         self.version = 0  # compiles so far (a whole-step plan or remat.fit may lower it again)
         self.steps = 0  # steps that called it (their backward began) since it was last compiled

@@ -229,6 +229,33 @@ def test_a_failed_write_leaves_neither_a_partial_entry_nor_its_temporary_file(tm
     assert sorted(p.name for p in path.parent.iterdir()) == ["plan-x.json"]
 
 
+def test_writers_of_one_process_write_one_entry_side_by_side(tmp_path):
+    """Writers that share a process id (threads here; ranks in containers that share the cache
+    folder) each write through a temporary file of their own: none fails, none leaves a file behind,
+    and the entry is one writer's whole. (The temporary file was named by the process id: one
+    writer's rename took it from under another, whose write then failed.)"""
+    import threading
+
+    path = tmp_path / "plans" / "plan-x.json"
+    errors = []
+
+    def writer(k):
+        try:
+            for _ in range(200):
+                plan_cache.write_atomic(path, str(k).encode() * 1000)
+        except OSError as e:  # pragma: no cover - the failure this test is for
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert path.read_bytes() in {str(k).encode() * 1000 for k in range(4)}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["plan-x.json"]
+
+
 @pytest.mark.slow
 def test_a_byte_peak_budget_caches_the_lowering_that_met_it_in_inductors_schedule(tmp_path):
     """A byte peak_budget is checked against Inductor's schedules of the lowered graphs: the first

@@ -745,3 +745,43 @@ def test_reruns_the_step_does_not_need_are_dropped_when_the_backward_compiles(mo
     assert f"rerun: none of the {every.reruns} values found to recompute a second time: the step peaks " \
            "elsewhere" in str(plan)
     assert short <= full * 1.02, (short, full)
+
+
+def test_fit_refuses_a_step_that_begins_no_backward_even_after_one_that_did():
+    """The calls fit plans are those of a step whose backward began in the step it was given, not the
+    last whole step's before it (a forward-only step was measured there, and the fit chose a budget
+    too large for the real one)."""
+    torch.manual_seed(0)
+    model, x = _ns["Model"](), torch.randn(8, 128, 64)
+    run = torch.compile(model, backend="remat", options={"lower": "eager"})
+    run(x).backward()  # a whole step first
+    with pytest.raises(ValueError, match=r"remat.fit's step ran no graph compiled with backend='remat' that needs "
+                                         r"gradients: it must run a forward and backward"):
+        remat.fit(lambda: run(x), peak="1GiB", cache=False)
+
+
+def test_fit_warns_where_its_cache_cannot_be_written_and_keeps_its_choice(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # cache_dir under a file: no folder can be made there
+    _, step = make({"lower": "eager"})
+    free = _measure(step)
+    with pytest.warns(UserWarning, match=r"remat.fit could not keep its choice in .*cache \(.*\); the next run "
+                                         r"searches again"):
+        result = remat.fit(step, peak=int(free * 0.7), cache_dir=blocker / "cache")
+    assert result.measured <= int(free * 0.7) and not result.cached and result.tried
+
+
+def test_a_fit_takes_from_its_cache_only_the_plans_its_own_run_compiled(tmp_path):
+    """A graph compiled from the cache of one fit is not "from the plan cache" for a later fit in the
+    process with another limit (it was: the later fit measured the earlier limit's plan and kept it,
+    however loose its own limit)."""
+    _, step = make({"lower": "eager"})
+    free = _measure(step)
+    remat.fit(step, peak=int(free * 0.7), cache_dir=tmp_path)  # searched, kept on disk
+    torch._dynamo.reset()
+    STEP.reset()
+    _, step = make({"lower": "eager"})
+    again = remat.fit(step, peak=int(free * 0.7), cache_dir=tmp_path)  # compiled from the cache
+    assert again.cached and again.fraction is not None
+    roomy = remat.fit(step, peak=2 * free, cache_dir=tmp_path)
+    assert not roomy.cached and roomy.fraction is None  # no budget: the step fits without one
