@@ -785,3 +785,19 @@ def test_a_fit_takes_from_its_cache_only_the_plans_its_own_run_compiled(tmp_path
     assert again.cached and again.fraction is not None
     roomy = remat.fit(step, peak=2 * free, cache_dir=tmp_path)
     assert not roomy.cached and roomy.fraction is None  # no budget: the step fits without one
+
+
+def test_a_cached_fit_is_checked_against_the_limit_less_its_margin(tmp_path):
+    """The plan a fit takes from its cache must measure under the limit less the margin, as the
+    search's plans must (it was checked against the limit alone: a run asking for more margin got
+    the plan it had asked more room than)."""
+    _, step = make({"lower": "eager"})
+    free = _measure(step)
+    limit = int(free * 0.7)
+    first = remat.fit(step, peak=limit, cache_dir=tmp_path)
+    assert first.measured > limit * 0.5  # under a margin of 0.5 that plan does not fit
+    torch._dynamo.reset()
+    STEP.reset()
+    _, step = make({"lower": "eager"})
+    with pytest.raises(PeakInfeasible, match=r"no plan measured a step peak at or under"):
+        remat.fit(step, peak=limit, margin=0.5, cache_dir=tmp_path)
