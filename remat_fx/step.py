@@ -324,7 +324,10 @@ class CompiledGraph:
         hits = plan_cache.aot_cache_hits()
         with _partition.capture_joints() as joints:
             fn = lower(self.gm, self.example_inputs, options, aot_cache=keep, aot_lookup=lookup)
-        if joints:
+        # a hit is the lowering returned: the last (a byte peak_budget's lowerings, passes/lower.py
+        # _lower_within_peak, stop at a hit), though one before it partitioned (and went over the limit)
+        hit = record is not None and plan_cache.aot_cache_hits() > hits
+        if joints and not hit:
             self.joint = joints[-1]
             self.plan = last_plan()
             self.grads = _grad_bytes(self.joint)
@@ -333,7 +336,7 @@ class CompiledGraph:
             self.plan.graph = self.index
             if record is not None:
                 plan_cache.save_record(record, self.plan, self.grads, self.primals)
-        elif record is not None and plan_cache.aot_cache_hits() > hits:
+        elif hit:
             saved = plan_cache.load_record(record)
             if saved is None:
                 return None

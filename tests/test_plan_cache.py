@@ -256,6 +256,45 @@ def test_writers_of_one_process_write_one_entry_side_by_side(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["plan-x.json"]
 
 
+def test_a_hit_after_a_lowering_over_the_limit_keeps_the_plan_the_hit_was_cached_with(tmp_path, monkeypatch):
+    """Under a byte peak_budget a graph may be lowered several times (passes/lower.py
+    _lower_within_peak): in a second process the first lowering can miss AOTAutograd's cache, be
+    partitioned and go over the limit, and the next hit the cache, where the first process left the
+    lowering that met it. The compiled code is the hit's: so is the plan (from the record), not the
+    plan partitioned before it, which the record then kept in its place."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from remat_fx import step as step_module
+    from remat_fx.passes import partition
+    from remat_fx.passes.plan import record as record_plan
+    from remat_fx.step import STEP
+
+    torch._dynamo.reset()
+    STEP.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    torch.compile(model, backend="remat", options={"lower": "eager"})(torch.randn(4, 8)).sum().backward()
+    graph = STEP.finished()[0]
+    over, met = copy.copy(graph.plan), copy.copy(graph.plan)
+    over.peak_budget, met.peak_budget = 1, 2  # which plan is which
+    path = tmp_path / "record"
+    plan_cache.save_record(path, met, graph.grads, graph.primals)  # the first process's: the lowering that met it
+
+    def lowered_twice(gm, example_inputs, options, aot_cache=None, aot_lookup=True):
+        for sink in partition._SINKS:  # the first lowering: partitioned, over the limit
+            sink.append(graph.joint)
+        record_plan(over)
+        counters["aot_autograd"]["autograd_cache_hit"] += 1  # the second: a hit
+        return "the hit's code"
+
+    monkeypatch.setattr(step_module, "lower", lowered_twice)
+    assert graph._lower(graph.active, path) == "the hit's code"
+    assert graph.plan.peak_budget == 2 and graph.plan.from_cache and graph.joint is None
+    assert plan_cache.load_record(path)["plan"].peak_budget == 2
+    STEP.reset()
+
+
 @pytest.mark.slow
 def test_a_byte_peak_budget_caches_the_lowering_that_met_it_in_inductors_schedule(tmp_path):
     """A byte peak_budget is checked against Inductor's schedules of the lowered graphs: the first
