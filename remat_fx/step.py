@@ -899,6 +899,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
                     "-" if per_graph.peak_budget is None else fmt_bytes(per_graph.peak_budget),
                     per_graph.memory_budget)
         alone, _ = graph_options(options, before=())
+        graph.gm = _copy_dynamo_graph(graph.pristine)  # as Dynamo made it: Inductor's passes rewrite what they lower
         graph.compile(alone)  # a limit this graph alone cannot meet raises here, naming it
         graph.over = True
     return graph

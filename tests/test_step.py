@@ -801,3 +801,25 @@ def test_a_cached_fit_is_checked_against_the_limit_less_its_margin(tmp_path):
     _, step = make({"lower": "eager"})
     with pytest.raises(PeakInfeasible, match=r"no plan measured a step peak at or under"):
         remat.fit(step, peak=limit, margin=0.5, cache_dir=tmp_path)
+
+
+def test_a_graph_the_calls_before_it_leave_too_little_is_planned_alone_and_the_step_again(caplog):
+    """A byte peak_budget the step's first graph leaves too little of for a later one: that graph is
+    planned against the whole limit (from the graph as Dynamo made it), marked over, with a warning
+    naming it; the gradients are those of eager."""
+    import logging
+
+    eager, eager_step = make()
+    eager_step()
+    want = _grads(eager)
+    _, step = make({"lower": "eager"})
+    free = _measure(step)
+    torch._dynamo.reset()
+    STEP.reset()
+    model, step = make({"lower": "eager", "peak_budget": int(free * 0.45)})
+    with caplog.at_level(logging.WARNING, logger="remat_fx"):
+        step()
+    assert "leave it less than its least plan needs" in caplog.text
+    assert any(g.over for g in STEP.finished())
+    for a, b in zip(_grads(model), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
