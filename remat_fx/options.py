@@ -260,17 +260,18 @@ def check_config(name: str, value) -> None:
 
 
 def _check_grid(checked: dict, where: str) -> None:
-    """monotone='grid' changes how a memory_budget's plan is held under larger budgets' peaks: an
-    OptionError where no such plan can be made (it would do nothing). Not for a missing memory_budget:
-    remat.fit gives the step's graphs theirs."""
+    """Option monotone (given: 'grid' or a number of levels) changes how a memory_budget's plan is held
+    under larger budgets' peaks: an OptionError where no such plan is made (it would do nothing). Not
+    for a missing memory_budget: remat.fit gives the step's graphs theirs."""
     why = None
     if checked.get("peak_budget") is not None:
         why = "a peak_budget is set: the plan is the fastest under that peak instead"
     elif checked.get("peak_slack", BackendOptions.peak_slack) == 0:
         why = "peak_slack is 0: the budget's fastest plan is kept, with no envelope"
     if why:
-        raise OptionError(f"{where}: option 'monotone'='grid' holds a memory_budget's estimated peak under the "
-                          f"larger budgets' peaks, and {why}; drop monotone, or give a memory_budget with peak_slack > 0")
+        raise OptionError(f"{where}: option 'monotone'={checked['monotone']!r} holds a memory_budget's estimated "
+                          f"peak under the larger budgets' peaks, and {why}; drop monotone, or give a memory_budget "
+                          f"with peak_slack > 0")
 
 
 def parse_options(options, where: str = "backend 'remat'") -> BackendOptions:
@@ -295,7 +296,7 @@ def parse_options(options, where: str = "backend 'remat'") -> BackendOptions:
         except OptionError as e:
             raise OptionError(f"{where}: {e}") from None
     peak = checked.get("peak_budget")
-    if checked.get("monotone") == "grid":
+    if "monotone" in checked:  # as given: 'grid', 'nearest' or a number of levels
         _check_grid(checked, where)
     budget = None if peak is None or peak == "auto" else peak
     return BackendOptions(save=checked.get("save", ()), recompute=checked.get("recompute", ()),

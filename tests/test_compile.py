@@ -33,6 +33,9 @@ def _compile(fn, **options):
      r"peak_slack is 0: the budget's fastest plan is kept, with no envelope; drop monotone, or give a memory_budget"),
     ({"monotone": "grid", "memory_budget": 0.3, "peak_budget": "1MiB"}, r"and a peak_budget is set: the plan is the "
                                                                          r"fastest under that peak instead"),
+    ({"monotone": 3, "memory_budget": 0.3, "peak_budget": "1MiB"},  # any monotone given, not only 'grid'
+     r"option 'monotone'=3 holds a memory_budget's .* and a peak_budget is set"),
+    ({"monotone": "nearest", "memory_budget": 0.3, "peak_slack": 0}, r"option 'monotone'=1 holds .* peak_slack is 0"),
     ({"monotone": "grids"}, r"option 'monotone' must be an int >= 1 \(the levels of the grid held in turn; default 2\), "
                             r"'nearest' \(1\) or 'grid', got 'grids' \(did you mean 'grid'\?\)"),
     ({"monotone": 0}, r"option 'monotone' must be an int >= 1 .*, got 0\b"),
