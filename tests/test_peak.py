@@ -1876,3 +1876,18 @@ def test_peak_tie_break_solves_its_last_target_first_and_ends_there_when_it_is_l
     plan, cuts = _walk({1000: 500, 950: 500, 900: 400, 850: 400, 800: 400}, seconds={800: 1.05})
     assert cuts == [(1000, False), (800, False), (950, False)]
     assert plan.budget.lowered_to is None and plan.peak.step == 500
+
+
+def test_a_peak_budget_under_a_memory_budget_reports_the_users_budget():
+    """A peak_budget's search solves saved-bytes targets under the memory_budget's: the plan's report
+    keeps the user's budget and target and notes the target solved for, and the fastest plan's
+    estimates (it said "budget 26.17 KiB: target 26.17 KiB", the 0.5 gone)."""
+    torch._dynamo.reset()
+    model, inputs = _gpt()
+    f = torch.compile(model, backend="remat", options={"lower": "eager", "memory_budget": 0.5, "peak_budget": 0.3})
+    f(*inputs).backward()
+    plan = remat.last_plan()
+    report = plan.budget
+    assert report.budget == "0.5" and plan.total_bytes <= report.lowered_to < report.target
+    assert report.fastest_peak > plan.peak.step
+    assert str(report).startswith("budget 0.5: target ") and "solved at a lower target" in str(report)

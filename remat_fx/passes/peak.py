@@ -628,7 +628,24 @@ def fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Opt
     ``alike``, the targets that bracket the cap are solved again with repeated blocks alike
     (``_final_alike``)."""
     found, over = _fit_peak(cut, feasible, budgets, cap, fraction)
-    return found if alike is None else _final_alike(cut, budgets, found, over, alike)
+    found = found if alike is None else _final_alike(cut, budgets, found, over, alike)
+    return _as_asked(cut, budgets, found)
+
+
+def _as_asked(cut, budgets, found):
+    """``found`` (a peak search's plan) reported under the user's memory_budget where it was solved at
+    a lower saved-bytes target than the user's: the report keeps the user's budget and target, and
+    notes the target solved for and the fastest plan's estimates (as lower_peak's does)."""
+    report = found[2].budget
+    if None not in budgets or report is None or report.lowered_to is not None:
+        return found
+    first = cut(budgets)
+    user = first[2].budget
+    if user is None or report.target >= user.target:
+        return found
+    report.budget, report.target, report.lowered_to = user.budget, user.target, report.target
+    report.fastest_peak, report.fastest_step_s = first[2].peak.step, first[2].step_cost_s
+    return found
 
 
 def _fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Optional[float]):
