@@ -218,6 +218,23 @@ def test_peak_budget_solves_its_chosen_target_again_with_blocks_alike(alike_peak
     assert fit_peak(cut, feasible, {}, 200, alike=FINAL_ALIKE)[2] is plans[None] and calls == [(None, None)]
 
 
+def test_a_peak_budget_no_plan_meets_names_the_least_peak_the_search_found():
+    """PeakInfeasible names the lowest estimated peak of every plan the search cut: the search toward
+    the cap's too, not only the grid's (here the valley, target 2,100, is between two grid targets,
+    whose plans peak at 550: the error named 550)."""
+    from types import SimpleNamespace
+
+    from remat_fx.passes.peak import PeakInfeasible, fit_peak
+
+    def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None):
+        budget = budgets.get(None)
+        target = 3000 if budget is None else 1000 if budget.fraction == 0 else budget.nbytes
+        return "fw", "bw", _fake_plan(target, 500 + abs(target - 2100) // 2, 1.0, target=target), {}
+
+    with pytest.raises(PeakInfeasible, match=r"the lowest is 500 B \(500 bytes\), saving 2.05 KiB"):
+        fit_peak(cut, lambda budgets: SimpleNamespace(minimum=1000, maximum=3000), {}, 50)
+
+
 @pytest.mark.parametrize("alike_gain_s, kept_over", [(0.001, True), (-0.001, False)])
 def test_peak_budget_solves_the_target_over_the_cap_again_with_blocks_alike(alike_gain_s, kept_over):
     """'final' also solves alike the smallest target the search cut over the cap: a plan alike

@@ -666,7 +666,13 @@ def _fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Op
     lo, top = report.minimum, report.maximum
     if None in budgets:
         top = min(top, budgets[None].target(lo, top))
-    found, over = _toward_cap(cut, budgets, cap, lo, top, first, lambda: cut(least))
+    seen: list = []  # the plans the search toward the cap cut: the least peak found may be one of them
+
+    def toward(*args, **kwargs):
+        seen.append(cut(*args, **kwargs))
+        return seen[-1]
+
+    found, over = _toward_cap(toward, budgets, cap, lo, top, first, lambda: cut(least))
     if found is not None:
         return _mark(found, cap), over
     probe = cut(least)
@@ -681,7 +687,7 @@ def _fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Op
             break
         above = target
     if found is None:
-        best_target, best = min(tried, key=lambda t: t[1][2].peak.step)
+        best = min([r for _, r in tried] + seen, key=lambda r: r[2].peak.step)
         raise PeakInfeasible(
             f"remat_fx: peak_budget {fmt_bytes(cap)} ({cap:,} bytes) is below every estimated step peak found: "
             f"the lowest is {fmt_bytes(best[2].peak.step)} ({best[2].peak.step:,} bytes), saving "
