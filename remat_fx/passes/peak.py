@@ -845,7 +845,7 @@ def lower_peak(cut, budgets, first, slack: float):
         """(target, its plan without reruns) if the target is feasible, within the time limit and
         of a lower peak than the best so far, else None."""
         target = int(report.target * f)
-        if target < report.minimum:
+        if target <= report.minimum:  # the minimum's plan is budget 0's: its reruns have budget 0's allowance
             return None
         result = cut(_overall(budgets, Budget(nbytes=target)), quick=True)
         if result[2].step_cost_s > limit or \
