@@ -1908,3 +1908,26 @@ def test_a_peak_budget_under_a_memory_budget_reports_the_users_budget():
     assert report.budget == "0.5" and plan.total_bytes <= report.lowered_to < report.target
     assert report.fastest_peak > plan.peak.step
     assert str(report).startswith("budget 0.5: target ") and "solved at a lower target" in str(report)
+
+
+def test_the_tie_breaks_walk_stops_above_the_feasible_minimum():
+    """lower_peak solves lower saved-bytes targets within the time slack, never the feasible minimum
+    itself: that target is budget 0's, whose plan's reruns are allowed per-layer checkpointing's
+    time, not the slack's (target 1,000 at 0.8 is the minimum, 800, here: it was solved)."""
+    from types import SimpleNamespace
+
+    from remat_fx.memory_budget import Budget
+    from remat_fx.passes.peak import lower_peak
+
+    asked = []
+
+    def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None, least=False):
+        target = budgets[None].nbytes
+        asked.append(target)
+        report = SimpleNamespace(target=target, minimum=800, solver="ilp", lowered_to=None)
+        return "fw", "bw", SimpleNamespace(peak=SimpleNamespace(step=5000 - target), step_cost_s=1.0, rerun=None,
+                                           budget=report), {}
+
+    budgets = {None: Budget(nbytes=1000)}
+    assert lower_peak(cut, budgets, cut(budgets), 0.05)[2].budget.target == 1000
+    assert min(asked) > 800, asked
