@@ -725,6 +725,16 @@ def test_a_region_held_under_its_minimum_makes_the_rest_save_more_whatever_the_o
     _close(grads, want)
 
 
+def test_a_region_budget_the_rest_would_pay_for_says_to_give_an_overall_budget():
+    """Without an overall budget the rest of the graph saves at most what it saves without one: a
+    region held at its minimum that needs the rest to save more cannot be met, and the error says
+    what lets it (not "raise one of them": the rest's bound is not a budget the user wrote)."""
+    x = torch.randn(64, 64, requires_grad=True)
+    with pytest.raises(remat.RematError, match=r"cannot all be met at once \(.*at most 256 B in 'a'; at most .* in the "
+                                               r"rest of the graph\).* give an overall memory_budget \(e.g. 1\)"):
+        _step(_RandomRegion(0.0), (x,), {})
+
+
 class _FormulaRegion(torch.nn.Module):
     """tanh's backward reads 1 - v * v, which the partition without a budget computes in forward and
     saves: a node of the backward's formula, not one of the forward's, in region 'a'."""

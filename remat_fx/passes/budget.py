@@ -365,8 +365,13 @@ def _together(problem: Problem, target, group_targets) -> str:
     parts = ([f"at most {fmt_bytes(target)} in all"] if target is not None else []) + [
         f"at most {fmt_bytes(t)} in {'the rest of the graph' if g == _REST else repr(g)}"
         for g, t in group_targets.items()]
+    fix = "Raise one of them."
+    if _REST in group_targets:  # the rest is not a budget the user wrote
+        fix = ("Without an overall memory_budget the rest of the graph saves at most what it saves without a "
+               "budget (a region's budget is not paid for elsewhere): raise a region's budget, or give an overall "
+               "memory_budget (e.g. 1) to let the rest save what the regions' budgets need.")
     return (f"remat_fx: the memory budgets cannot all be met at once ({'; '.join(parts)}): each is feasible alone, "
-            f"but the plans that meet one keep too much for another. Raise one of them.")
+            f"but the plans that meet one keep too much for another. {fix}")
 
 
 def _greedy(problem: Problem, target, group_targets, time_limit) -> Tuple[Set[str], Set[str]]:
