@@ -61,6 +61,10 @@ def source_digest(package: pathlib.Path = _PACKAGE) -> str:
     return digest.hexdigest()
 
 
+_UMASK = os.umask(0)  # the process's, read at import (the only way is to set it)
+os.umask(_UMASK)
+
+
 def write_atomic(path: pathlib.Path, data: bytes) -> None:
     """Writes ``path`` whole or not at all (a process reading it meanwhile sees the old file or the
     new one): through a file of the writer's own beside it (a name no other writer has: not the
@@ -72,6 +76,7 @@ def write_atomic(path: pathlib.Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # as a file opened for writing is made (mkstemp's are the owner's alone)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)  # a full disk: no partial file left behind

@@ -254,6 +254,7 @@ def test_writers_of_one_process_write_one_entry_side_by_side(tmp_path):
     assert errors == []
     assert path.read_bytes() in {str(k).encode() * 1000 for k in range(4)}
     assert sorted(p.name for p in path.parent.iterdir()) == ["plan-x.json"]
+    assert path.stat().st_mode & 0o777 == 0o666 & ~plan_cache._UMASK  # as open() makes a file, for the cache's readers
 
 
 def test_a_hit_after_a_lowering_over_the_limit_keeps_the_plan_the_hit_was_cached_with(tmp_path, monkeypatch):

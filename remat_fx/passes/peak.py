@@ -424,8 +424,8 @@ def fused_back(original, copy, order: list, position: dict, inputs: Callable, us
     through a transpose by three kernels, kept kernels of their own 85 nodes on). ``order`` /
     ``position``: the program and each item's index in it; ``inputs`` / ``users``: an item's
     producers and readers; ``inlined``: its items computed inside their readers; ``kernels(i, j)``:
-    ``kernels_between``'s count over ``order[i:j]``, if the caller keeps one (a program with many
-    copies asks it of many spans: passes/rerun.py counts them once per program)."""
+    how many items of ``order[i:j]`` are ``is_kernel``, if the caller keeps a count (a program with
+    many copies asks it of many spans: passes/rerun.py counts them once per program)."""
     mine = facts.get(src(copy)) or node_facts(src(copy), facts)
     if mine.on_cpu or not mine.pointwise or copy in inlined or original in inlined or \
             position[copy] < position[original]:
