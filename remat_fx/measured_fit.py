@@ -184,7 +184,10 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
         _drop_grads(leaves)
         return agreed(step_peak_bytes(run, device), max)
 
-    mine = (all(g.cached is scope for g in graphs), tuple(_fraction_of(g) for g in graphs))
+    # and one budget for all the step's graphs (the entries are per graph: a graph another step shares was
+    # fitted with that step, maybe at another budget)
+    fractions = tuple(_fraction_of(g) for g in graphs)
+    mine = (all(g.cached is scope for g in graphs) and len(set(fractions)) == 1, fractions)
     if agreed(mine, lambda by_rank: all(c for c, _ in by_rank) and len({f for _, f in by_rank}) == 1):
         measured = max(measure(), measure())  # measured as the search measures (the margin, the larger of two)
         fraction = _fraction_of(graphs[0])

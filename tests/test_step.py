@@ -823,3 +823,26 @@ def test_a_graph_the_calls_before_it_leave_too_little_is_planned_alone_and_the_s
     assert any(g.over for g in STEP.finished())
     for a, b in zip(_grads(model), want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fit_whose_cached_graphs_disagree_on_the_budget_searches_again(tmp_path):
+    """The cache keeps a choice per graph: a graph shared with another step may have been fitted
+    there at another budget. A step whose graphs come from the cache at different budgets is
+    searched again, not reported as one budget for all its graphs."""
+    import json
+
+    _, step = make({"lower": "eager"})
+    free = _measure(step)
+    first = remat.fit(step, peak=int(free * 0.7), cache_dir=tmp_path)
+    entries = sorted(tmp_path.glob("fit-*.json"))
+    assert len(entries) == 2 and first.fraction is not None
+    other = json.loads(entries[0].read_text())
+    assert first.fraction > 0.0
+    other["fraction"] = 0.0  # as another step's fit chose for it: it fits the limit too
+    entries[0].write_text(json.dumps(other))
+    torch._dynamo.reset()
+    STEP.reset()
+    _, step = make({"lower": "eager"})
+    again = remat.fit(step, peak=int(free * 0.7), cache_dir=tmp_path)
+    assert not again.cached and again.tried
+    assert {g.active.memory_budget.fraction for g in STEP.finished()} == {again.fraction}
