@@ -410,8 +410,8 @@ RERUN_OF = "remat_fx.rerun_of"  # node meta of a rerun's copy: the name of the n
 _FUSED_WITHIN = 64  # Inductor fuses two kernels that read one buffer only this close in its order
 
 
-def fused_back(original, copy, order: list, position: dict, inputs: Callable, users: Callable, src: Callable,
-               inlined: Set, facts: dict, kernels: Optional[Callable[[int, int], int]] = None) -> bool:
+def fused_back(original, copy, position: dict, inputs: Callable, users: Callable, src: Callable, inlined: Set,
+               facts: dict, kernels: Callable[[int, int], int]) -> bool:
     """Whether Inductor on CUDA computes the rerun ``copy`` (a pointwise kernel) in the kernel of its
     ``original``: the two read the same buffers, and fewer than ``_FUSED_WITHIN`` kernels lie
     between them (Inductor's horizontal fusion; choices.py ``are_long_distant_nodes``), so the copy's
@@ -421,11 +421,11 @@ def fused_back(original, copy, order: list, position: dict, inputs: Callable, us
     were alive across the loss's kernel, at the step's peak. Not where either is read through a view
     that several kernels read: Inductor realises that view, in its own index space, and the two
     kernels' loads no longer match (in the same run the copies of two MLP weights' casts, read
-    through a transpose by three kernels, kept kernels of their own 85 nodes on). ``order`` /
-    ``position``: the program and each item's index in it; ``inputs`` / ``users``: an item's
-    producers and readers; ``inlined``: its items computed inside their readers; ``kernels(i, j)``:
-    how many items of ``order[i:j]`` are ``is_kernel``, if the caller keeps a count (a program with
-    many copies asks it of many spans: passes/rerun.py counts them once per program)."""
+    through a transpose by three kernels, kept kernels of their own 85 nodes on). ``position``:
+    each item's index in the program; ``inputs`` / ``users``: an item's producers and readers;
+    ``inlined``: its items computed inside their readers; ``kernels(i, j)``: how many of the
+    program's items i..j-1 are ``is_kernel`` (``kernel_counter``: a program with many copies asks it
+    of many spans, counted once)."""
     mine = facts.get(src(copy)) or node_facts(src(copy), facts)
     if mine.on_cpu or not mine.pointwise or copy in inlined or original in inlined or \
             position[copy] < position[original]:
@@ -443,16 +443,7 @@ def fused_back(original, copy, order: list, position: dict, inputs: Callable, us
                 if len(readers_of_view) > 1:
                     return False
                 stack += readers_of_view
-    lo, hi = position[original] + 1, position[copy]
-    if kernels is not None:
-        return kernels(lo, hi) < _FUSED_WITHIN
-    between = 0
-    for x in order[lo:hi]:
-        if is_kernel(x, users, src, inlined, facts):
-            between += 1
-            if between >= _FUSED_WITHIN:
-                return False
-    return True
+    return kernels(position[original] + 1, position[copy]) < _FUSED_WITHIN
 
 
 def is_kernel(x, users: Callable, src: Callable, inlined: Set, facts: dict) -> bool:
@@ -464,6 +455,20 @@ def is_kernel(x, users: Callable, src: Callable, inlined: Set, facts: dict) -> b
     node = src(x)
     f = facts.get(node) or node_facts(node, facts)
     return (x not in inlined and not f.view) or f.reduction
+
+
+def kernel_counter(order: list, users: Callable, src: Callable, inlined: Set, facts: dict) -> Callable[[int, int], int]:
+    """``kernels(i, j)``: how many of ``order[i:j]`` are ``is_kernel``, from a prefix count made on the
+    first question (``fused_back`` asks it of the span between each copy and its original)."""
+    prefix: List[int] = []
+
+    def kernels(lo: int, hi: int) -> int:
+        if not prefix:
+            prefix.append(0)
+            for x in order:
+                prefix.append(prefix[-1] + is_kernel(x, users, src, inlined, facts))
+        return prefix[hi] - prefix[lo]
+    return kernels
 
 
 def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,
@@ -511,10 +516,12 @@ def _timeline(gm: fx.GraphModule, counted_inputs: Iterable[str], shared: Optiona
     hoisted: Dict[fx.Node, int] = {}  # rerun copies Inductor computes in their originals' kernels: there
     if inline:
         named, facts = {n.name: n for n in nodes}, {}
+        users, src = (lambda x: x.users), (lambda x: x)
+        kernels = kernel_counter(nodes, users, src, inlined, facts)
         for n in nodes:
             original = named.get(n.meta.get(RERUN_OF))
-            if original is not None and fused_back(original, n, nodes, index, lambda x: x.all_input_nodes,
-                                                   lambda x: x.users, lambda x: x, inlined, facts):
+            if original is not None and fused_back(original, n, index, lambda x: x.all_input_nodes, users, src,
+                                                   inlined, facts, kernels):
                 hoisted[n] = index[original]
     storages: Dict[object, Tuple[int, int]] = {}
     for node in nodes:
@@ -643,9 +650,16 @@ def _as_asked(cut, budgets, found):
     user = first[2].budget
     if user is None or report.target >= user.target:
         return found
-    report.budget, report.target, report.lowered_to = user.budget, user.target, report.target
-    report.fastest_peak, report.fastest_step_s = first[2].peak.step, first[2].step_cost_s
+    _reported_as_asked(report, user, report.target, first[2])
     return found
+
+
+def _reported_as_asked(report, user, solved: int, fastest) -> None:
+    """``report`` (of a plan solved at the saved-bytes target ``solved``) keeps the user's budget and
+    target (``user``'s report), noting ``solved`` and the estimates of ``fastest``, the fastest plan
+    under the user's target."""
+    report.budget, report.target, report.lowered_to = user.budget, user.target, solved
+    report.fastest_peak, report.fastest_step_s = fastest.peak.step, fastest.step_cost_s
 
 
 def _fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Optional[float]):
@@ -871,8 +885,7 @@ def lower_peak(cut, budgets, first, slack: float):
     if (best[2].peak.step, best[2].step_cost_s) >= (plan.peak.step, plan.step_cost_s):
         return first
     chosen = best[2].budget
-    chosen.budget, chosen.target, chosen.lowered_to = report.budget, report.target, best_target
-    chosen.fastest_peak, chosen.fastest_step_s = plan.peak.step, plan.step_cost_s
+    _reported_as_asked(chosen, report, best_target, plan)
     chosen.solve_seconds += report.solve_seconds
     return best
 

@@ -60,8 +60,8 @@ import torch.fx as fx
 from remat_fx.passes.capture import is_random, numbered_block
 from remat_fx.passes.cost import flops
 from remat_fx.passes.lazy_module import new_module
-from remat_fx.passes.peak import (RERUN_OF, allocation, fused_back, held_to_end, inlined_nodes, is_kernel, liveness,
-                                  node_facts, storage_bytes, writes_apart)
+from remat_fx.passes.peak import (RERUN_OF, allocation, fused_back, held_to_end, inlined_nodes, kernel_counter,
+                                  liveness, node_facts, storage_bytes, writes_apart)
 
 RERUN = "remat_fx.rerun"  # node meta of a copy: the number of its rerun (1, 2, ...)
 
@@ -191,19 +191,11 @@ class _Program:
         originals = {item.src: item for item in items if not item.copy and item.src in copied and item in users}
         found = {}
         inputs, readers, src = (lambda x: x.ins.values()), (lambda x: users.get(x, ())), (lambda x: x.src)
-        prefix: List[int] = []  # prefix[i]: Inductor's nodes before position i, counted on the first question
-
-        def kernels(lo: int, hi: int) -> int:
-            if not prefix:
-                prefix.append(0)
-                for item in items:
-                    prefix.append(prefix[-1] + is_kernel(item, readers, src, inlined, self.facts))
-            return prefix[hi] - prefix[lo]
-
+        kernels = kernel_counter(items, readers, src, inlined, self.facts)  # counted once per program
         for item in items:
             original = originals.get(item.src) if item.copy else self.marked.get(item)
             if original is not None and original in users and \
-                    fused_back(original, item, items, position, inputs, readers, src, inlined, self.facts, kernels):
+                    fused_back(original, item, position, inputs, readers, src, inlined, self.facts, kernels):
                 found[item] = position[original]
         return found
 
