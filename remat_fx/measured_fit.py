@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import pathlib
 import time
 import warnings
@@ -134,7 +135,7 @@ def _limit(peak) -> int:
     return budget.nbytes
 
 
-def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: bool = True, cache_dir=None,
+def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: Optional[bool] = None, cache_dir=None,
         device=None, params=None, **kwargs) -> FitResult:
     """Plan the graphs that ``step(*args, **kwargs)`` runs (one whole training step of a model
     compiled with ``backend="remat"``: forward and backward, with the gradients set to None first so
@@ -146,16 +147,23 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: b
     ``params`` (a module or parameters: under FSDP2 the graphs read the unsharded parameters, and
     the sharded ones, which keep the gradients, are the model's). Under a process group, call it on
     every rank: the ranks decide on the largest of their measured peaks and end with the same plan
-    (remat_fx/ranks.py). See the module doc."""
+    (remat_fx/ranks.py). ``cache``: keep and read the choice on disk (default: yes, unless
+    ``REMAT_FX_PLAN_CACHE=0`` and no ``cache_dir`` is given). See the module doc."""
     limit = _limit(peak)
+    if cache is not None and not isinstance(cache, bool):
+        raise TypeError(f"remat_fx: remat.fit's cache must be True, False or None (the default: on unless "
+                        f"REMAT_FX_PLAN_CACHE=0), got {cache!r}")
+    if cache is None:  # the environment's switch turns off the default, not what the call asks for
+        cache = cache_dir is not None or os.environ.get("REMAT_FX_PLAN_CACHE", "1") != "0"
+    if cache is False and cache_dir is not None:
+        raise ValueError(f"remat_fx: remat.fit got cache=False and cache_dir={str(cache_dir)!r}: give one (cache_dir "
+                         f"turns the cache on there)")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ValueError(f"remat_fx: remat.fit's margin must be a fraction of the limit in [0, 1), got {margin!r}")
     named = _parameters(args, kwargs, params)
     target = int(limit * (1 - margin))
     t0 = time.perf_counter()
-    scope = _Scope(limit, pathlib.Path(cache_dir) if cache_dir is not None else (cache_root() if cache else None))
-    if not cache:
-        scope.directory = None
+    scope = _Scope(limit, None if not cache else pathlib.Path(cache_dir) if cache_dir is not None else cache_root())
 
     def run():
         step(*args, **kwargs)

@@ -518,10 +518,17 @@ def test_fit_fits_the_measured_peak_and_a_second_process_takes_the_cached_plan(t
 
 
 def test_fit_without_a_cache_writes_nothing(tmp_path, monkeypatch):
+    """cache=False, or REMAT_FX_PLAN_CACHE=0 with the default (it turned off the compile's plan cache
+    and not fit's own), writes nothing; cache_dir= asks for the cache whatever the environment says."""
     monkeypatch.setenv("REMAT_FX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("REMAT_FX_PLAN_CACHE", "0")
     _, step = make({"lower": "eager"})
+    with pytest.raises(ValueError, match=r"remat.fit got cache=False and cache_dir='.*': give one"):
+        remat.fit(step, peak="1GiB", cache=False, cache_dir=tmp_path)
+    with pytest.raises(TypeError, match=r"remat.fit's cache must be True, False or None .*got 'yes'"):
+        remat.fit(step, peak="1GiB", cache="yes")
     free = _measure(step)
-    result = remat.fit(step, peak=int(free * 0.7), cache=False)
+    result = remat.fit(step, peak=int(free * 0.7))  # the default, under REMAT_FX_PLAN_CACHE=0
     assert result.measured <= int(free * 0.7) and not result.cached
     assert not list(tmp_path.iterdir())
     text = str(result)
