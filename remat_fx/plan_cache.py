@@ -40,8 +40,8 @@ from remat_fx.memory_budget import Budget
 _PACKAGE = pathlib.Path(__file__).resolve().parent
 _TAG_META = ("nn_module_stack", "custom", "recompute", "ac_graph_id")  # what passes/tag.py and naming read
 # the search's notes on the chosen plan's budget report (passes/peak.py lower_peak, _envelope)
-REPORT_NOTES = ("budget", "target", "lowered_to", "fastest_peak", "fastest_step_s", "held_under", "held_by",
-                "held_met", "held_levels")
+REPORT_NOTES = ("budget", "target", "lowered_to", "lowered_for", "fastest_peak", "fastest_step_s", "held_under",
+                "held_by", "held_met", "held_levels")
 _FIELDS = {"budgets", "fastest_s", "cap", "quick", "alike", "least", "peak_budget", "report", "saved", "peak"}
 
 

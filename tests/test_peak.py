@@ -1885,6 +1885,14 @@ def test_peak_tie_break_solves_its_last_target_first_and_ends_there_when_it_is_l
     assert cuts == [(1000, False), (800, False), (800, True)]
     assert plan.budget.lowered_to == 800 and plan.peak.step == 450
     assert plan.budget.target == 1000 and plan.budget.fastest_peak == 500
+    assert "solved at a lower target, 800 B, for a lower estimated peak (the fastest plan under" in str(plan.budget)
+    # the same peak at a lower step time (the reruns' times differ): taken, and said so (it said "for a
+    # lower estimated peak")
+    plan, cuts = _walk({1000: 500, 950: 500, 900: 500, 850: 500, 800: 500}, seconds={800: 0.99})
+    assert cuts == [(1000, False), (800, False), (800, True)]
+    assert plan.budget.lowered_to == 800 and plan.peak.step == plan.budget.fastest_peak == 500
+    assert "solved at a lower target, 800 B, for the same estimated peak at a lower estimated step time (the " \
+        "fastest plan under 1000 B: est. peak 500 B, est. step 1000.0 ms)" in str(plan.budget), str(plan.budget)
     # 0.8 not lower: the walk from 0.95, ending at the first miss (0.85), keeps 0.9
     plan, cuts = _walk({1000: 500, 950: 480, 900: 470, 850: 475, 800: 510})
     assert cuts == [(1000, False), (800, False), (950, False), (900, False), (850, False), (900, True)]

@@ -65,6 +65,7 @@ class BudgetReport:
     # the peak tie-break (option peak_slack): the lower target solved for, and the estimated peak
     # and step time of the fastest plan it replaced
     lowered_to: Optional[int] = None
+    lowered_for: str = "a lower estimated peak"  # or, taken for its time, "the same estimated peak at ..."
     fastest_peak: int = 0
     fastest_step_s: float = 0.0
     # the monotone envelope (option peak_slack): the estimated peak of the larger budget's plan this
@@ -115,7 +116,7 @@ class BudgetReport:
                 text += f", solved at a lower target, {fmt_bytes(self.lowered_to)}"
             text += f" (the monotone envelope; {fastest})"
         elif self.lowered_to is not None:
-            text += (f": solved at a lower target, {fmt_bytes(self.lowered_to)}, for a lower estimated peak "
+            text += (f": solved at a lower target, {fmt_bytes(self.lowered_to)}, for {self.lowered_for} "
                      f"({fastest})")
         if self.solver == "none":
             text += ": the plan without a budget fits, no solver ran"
