@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import pathlib
 import time
@@ -78,12 +79,26 @@ class FitResult:
 class _Scope:
     limit: int
     directory: Optional[pathlib.Path]
+    key: object = None  # the limit as the cache keys it (default: ``limit``)
+
+    def __post_init__(self):
+        if self.key is None:
+            self.key = self.limit
+
+
+_AUTO_STEP = 0.01  # peak="auto": the cache keys the limit to within this fraction
+
+
+def _auto_key(limit: int) -> tuple:
+    """peak="auto"'s limit (the device's free memory, which moves by some MiB from run to run: the CUDA
+    context, cuBLAS's workspaces, another process) as the cache keys it: in steps of ``_AUTO_STEP``."""
+    return ("auto", int(math.log(max(limit, 1)) / math.log1p(_AUTO_STEP)))
 
 
 _ACTIVE: List[_Scope] = []
 
 
-def _entry(graph: CompiledGraph, options: BackendOptions, limit: int) -> str:
+def _entry(graph: CompiledGraph, options: BackendOptions, limit) -> str:
     from remat_fx import __version__
 
     text = repr((graph.key, options.key(), limit, __version__, source_digest()))
@@ -100,7 +115,7 @@ def cached_options(graph: CompiledGraph, options: BackendOptions) -> Optional[Ba
     if not _ACTIVE or _ACTIVE[-1].directory is None:
         return None
     scope = _ACTIVE[-1]
-    path = scope.directory / _entry(graph, options, scope.limit)
+    path = scope.directory / _entry(graph, options, scope.key)
     try:
         entry = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -114,7 +129,7 @@ def _save(graphs, fraction, measured, scope: _Scope) -> None:
     (the search's result stands)."""
     try:
         for g in graphs:
-            write_atomic(scope.directory / _entry(g, g.options, scope.limit),
+            write_atomic(scope.directory / _entry(g, g.options, scope.key),
                          json.dumps({"fraction": fraction, "measured": measured, "limit": scope.limit,
                                      "graph": g.key, "torch": torch.__version__}).encode())
     except OSError as e:
@@ -163,7 +178,8 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
     named = _parameters(args, kwargs, params)
     target = int(limit * (1 - margin))
     t0 = time.perf_counter()
-    scope = _Scope(limit, None if not cache else pathlib.Path(cache_dir) if cache_dir is not None else cache_root())
+    scope = _Scope(limit, None if not cache else pathlib.Path(cache_dir) if cache_dir is not None else cache_root(),
+                   _auto_key(limit) if isinstance(peak, str) and peak == "auto" else limit)
 
     def run():
         step(*args, **kwargs)

@@ -794,6 +794,31 @@ def test_a_fit_takes_from_its_cache_only_the_plans_its_own_run_compiled(tmp_path
     assert not roomy.cached and roomy.fraction is None  # no budget: the step fits without one
 
 
+def test_a_fit_to_the_devices_free_memory_keys_its_cache_to_within_one_percent(tmp_path, monkeypatch):
+    """peak="auto" (the CUDA device's free memory, which moves by some MiB from run to run) finds its
+    cached plan when the free memory moved by less than 1%: it was keyed by the exact bytes, and the
+    next run of the job searched again. Further off, it searches (here: the step fits without a budget)."""
+    from remat_fx import measured_fit
+
+    _, step = make({"lower": "eager"})
+    free = _measure(step)
+    monkeypatch.setattr(measured_fit, "auto_limit", lambda: int(free * 0.7))
+    first = remat.fit(step, peak="auto", cache_dir=tmp_path)  # searched, kept on disk
+    assert not first.cached and first.fraction is not None and first.limit == int(free * 0.7)
+    torch._dynamo.reset()
+    STEP.reset()
+    _, step = make({"lower": "eager"})
+    monkeypatch.setattr(measured_fit, "auto_limit", lambda: int(free * 0.7) + 4096)  # the next run's
+    again = remat.fit(step, peak="auto", cache_dir=tmp_path)
+    assert again.cached and again.fraction == first.fraction and again.limit == int(free * 0.7) + 4096
+    torch._dynamo.reset()
+    STEP.reset()
+    _, step = make({"lower": "eager"})
+    monkeypatch.setattr(measured_fit, "auto_limit", lambda: 2 * free)
+    roomy = remat.fit(step, peak="auto", cache_dir=tmp_path)
+    assert not roomy.cached and roomy.fraction is None
+
+
 def test_a_cached_fit_is_checked_against_the_limit_less_its_margin(tmp_path):
     """The plan a fit takes from its cache must measure under the limit less the margin, as the
     search's plans must (it was checked against the limit alone: a run asking for more margin got
