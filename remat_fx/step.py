@@ -623,12 +623,16 @@ class _Step:
         self.leaves: Optional[Dict[int, weakref.ref]] = None  # while remat.fit collects them: the inputs needing grad
         self.planned: Dict[tuple, object] = {}  # step signature -> shared fraction chosen (None: kept)
         self.step_plan: Optional[StepPlan] = None  # the last whole-step plan (plan_step)
+        self.number = 0  # steps begun since the last reset (enter)
+        self.auto: Dict[int, int] = {}  # step number -> peak_budget="auto" as that step read it (auto_limit)
 
     def enter(self, graph: CompiledGraph) -> None:
         if self.backward_began:  # the first forward after a backward: a new step
             self.calls, self.made, self.backward_began = [], {}, False
             _after_step(self.last)
             self.settle()
+            self.number += 1
+            self.auto = {k: v for k, v in self.auto.items() if k >= self.number}
         self.calls = [c for c in self.calls[-self._MAX_CALLS:] if c[1]() is not None]
         if len(self.made) > 4 * self._MAX_CALLS:  # forwards without a backward: only the calls kept
             self.made = {id(r()): (io, k, r) for _, _, io in self.calls for k, r in enumerate(io.outputs)
@@ -720,6 +724,19 @@ class _Step:
         self.full[sig] = ios
         for g in calls:
             g.settled = True
+
+    def auto_limit(self) -> int:
+        """``auto_limit()`` read once per step, when the step first asks (its first graph's compile,
+        before the step has allocated anything): read again later in the step, the device's free
+        memory lacks what the step's earlier graphs hold, which the step's limit takes off again
+        (graph_options: each later graph's limit is the step's less what the calls before it hold),
+        and after its backward it lacks the gradients, which the step's estimate counts (the step's
+        own plan, _after_step, runs when the next step begins). A compile after a backward, before
+        the next forward's call, is the next step's."""
+        number = self.number + (1 if self.backward_began else 0)
+        if number not in self.auto:
+            self.auto[number] = auto_limit()
+        return self.auto[number]
 
     def record_kind(self) -> str:
         """How the last step was recorded: "whole", "light" (only its calls: settled) or "mixed"."""
@@ -831,19 +848,26 @@ def step_limit(options: BackendOptions) -> Optional[int]:
     if budget is None:
         return None
     if budget == "auto":
-        return auto_limit()
+        return STEP.auto_limit()
     return budget.nbytes
+
+
+_AUTO_GRANULE = 64 * 2**20  # peak_budget="auto" in whole 64 MiB (1 MiB under 1 GiB), rounded down
 
 
 def auto_limit(margin: float = 0.1) -> int:
     """``peak_budget="auto"``: what the CUDA device can give the step now (free memory plus what
-    PyTorch's allocator holds unused), less ``margin``."""
+    PyTorch's allocator holds unused), less ``margin``, rounded down to ``_AUTO_GRANULE``: the free
+    memory moves by some MiB from run to run (the CUDA context, cuBLAS's workspaces), and the limit
+    is in the plan cache's key and AOTAutograd's, which would otherwise miss on every run."""
     if not torch.cuda.is_available():
         raise ValueError("remat_fx: peak_budget='auto' reads the free memory of the CUDA device, and no CUDA "
                          "device is available; give a size instead, e.g. peak_budget='2GiB'")
     free, _ = torch.cuda.mem_get_info()
     cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    return int((free + cached) * (1 - margin))
+    limit = int((free + cached) * (1 - margin))
+    granule = _AUTO_GRANULE if limit >= 2**30 else 2**20
+    return max(limit // granule * granule, 1)
 
 
 def graph_options(options: BackendOptions, before: Optional[Sequence[CompiledGraph]] = None

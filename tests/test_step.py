@@ -375,6 +375,43 @@ def test_whole_step_peak_budget_holds_across_a_graph_break():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_peak_budget_auto_reads_the_device_once_per_step(monkeypatch):
+    """peak_budget="auto" is read once a step, at its first graph's compile: it was read again at each
+    graph's compile, when the device's free memory lacked what the earlier graphs hold, and the step's
+    limit took that off once more (graph 2 planned against the limit less graph 1's saved bytes twice),
+    and again after the backward, without the gradients. (CUDA's free memory stood in for: a reading
+    that falls by 1 MiB each time it is read.) And it is whole MiB (64 MiB from 1 GiB), rounded down."""
+    from remat_fx import options as options_module
+    from remat_fx import step as step_module
+
+    real = step_module.auto_limit
+    free = _measure(make({"lower": "eager"})[1])
+    torch._dynamo.reset()
+    STEP.reset()
+    readings = []
+
+    def auto_limit():
+        readings.append(2 * free - len(readings) * 2**20)
+        return readings[-1]
+
+    monkeypatch.setattr(step_module, "auto_limit", auto_limit)
+    monkeypatch.setattr(options_module, "_cuda_available", lambda: True)  # the option's check
+    _, step = make({"lower": "eager", "peak_budget": "auto"})
+    for _ in range(3):
+        step()
+    first, second = STEP.finished()[:2]
+    assert readings == [2 * free]  # once, for the step
+    assert second.active.peak_budget == 2 * free - (first.cost.saved + first.cost.held)
+    # the reading itself: rounded down, to whole MiB under 1 GiB and 64 MiB from there
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # nothing compiles from here on
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    for got, want in (((1000 * 2**20 + 12345) / 0.9, 1000 * 2**20), ((5 * 2**30 + 63 * 2**20) / 0.9, 5 * 2**30),
+                      ((5 * 2**30 + 65 * 2**20) / 0.9, 5 * 2**30 + 64 * 2**20)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda got=got: (int(got) + 1, 80 * 2**30))
+        assert real() == want
+
+
 def test_byte_memory_budget_holds_for_the_whole_step():
     eager_model, eager_step = make()
     eager_step()
