@@ -239,6 +239,11 @@ class _GlobalState:
             yield
 
 
+def _symbolic(value) -> bool:
+    """A fake tensor whose sizes or strides are symbols (Dynamo's dynamic shapes)."""
+    return isinstance(value, FakeTensor) and any(isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride()))
+
+
 class CompiledGraph:
     """The callable the backend hands Dynamo for one graph: the lowered graph, its plan, and
     what the step coordinator needs to plan it again (the Dynamo graph and its example inputs,
@@ -360,8 +365,19 @@ class CompiledGraph:
             self.fake_mode = detect_fake_mode(inputs)
         if self.fake_mode is None:
             self.fake_mode = FakeTensorMode()
-        return [self.fake_mode.from_tensor(x, static_shapes=True)
-                if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x for x in inputs]
+        # a graph Dynamo made with dynamic shapes (a recompile on a new batch size, dynamic=True) is
+        # lowered again from Dynamo's own fake inputs, whose sizes are its symbols: from fakes of the
+        # first call's sizes it was specialised to them, and Dynamo's guards, which take any size, ran
+        # it on others (a smaller last batch, then a full one: "shape '[160, 32]' is invalid")
+        held = [n.meta.get("example_value") for n in self.pristine.graph.find_nodes(op="placeholder")]
+        tensors = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor)]
+        if len(held) == len(inputs) and any(_symbolic(held[i]) for i in tensors) and \
+                all(isinstance(held[i], FakeTensor) and held[i].fake_mode is held[tensors[0]].fake_mode
+                    for i in tensors):
+            self.fake_mode = held[tensors[0]].fake_mode  # theirs: the symbols are its shape environment's
+            return [held[i] if i in tensors else x for i, x in enumerate(inputs)]
+        return [self.fake_mode.from_tensor(x, static_shapes=True) if i in tensors else x
+                for i, x in enumerate(inputs)]
 
     def relower(self, options: BackendOptions, aot: bool = True) -> None:
         """Lower again with other options (outside Dynamo: in the fake mode it traced with)."""

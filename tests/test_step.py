@@ -1,5 +1,6 @@
 """The whole step: several compiled graphs (a graph break in the middle of the blocks), one
 report, one peak_budget for all of them, and the measured fit with its plan cache."""
+import copy
 import dataclasses
 import json
 import subprocess
@@ -410,6 +411,31 @@ def test_peak_budget_auto_reads_the_device_once_per_step(monkeypatch):
                       ((5 * 2**30 + 65 * 2**20) / 0.9, 5 * 2**30 + 64 * 2**20)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda got=got: (int(got) + 1, 80 * 2**30))
         assert real() == want
+
+
+def test_a_step_planned_again_keeps_a_graph_with_dynamic_shapes_dynamic():
+    """A short last batch, then a new epoch: Dynamo recompiles the graphs with a dynamic batch size, and
+    the whole-step plan lowers them again. They were lowered from fakes of the first call's sizes,
+    specialised to them, and Dynamo's guards, which take any batch, ran them on the next full batch:
+    "shape '[160, 32]' is invalid for input of size 8192" (eager lowering; under Inductor "expected
+    size 8==5"). Gradients equal the uncompiled model's at every batch size."""
+    torch.manual_seed(0)
+    model = _ns["Model"](d=32)
+    reference = copy.deepcopy(model)
+    run = torch.compile(model, backend="remat", options={"lower": "eager", "peak_budget": 0.5})
+    relowered = []
+    for batch in (8, 8, 8, 5, 5, 8, 3):
+        x = torch.randn(batch, 16, 32, generator=torch.Generator().manual_seed(batch))
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        run(x).backward()
+        reference(x).backward()
+        for a, b in zip(_grads(model), _grads(reference)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        relowered += [g for g in STEP.finished() if g.version > 1]
+    # the recompiled (dynamic) graphs were among those lowered again, from Dynamo's symbolic inputs
+    assert any(any(isinstance(d, torch.SymInt) for x in g.example_inputs if isinstance(x, torch.Tensor)
+                   for d in x.shape) for g in relowered)
 
 
 def test_byte_memory_budget_holds_for_the_whole_step():
