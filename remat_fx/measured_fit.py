@@ -53,7 +53,7 @@ log = logging.getLogger("remat_fx")
 @dataclass
 class FitResult:
     limit: int  # bytes the measured step peak must stay under
-    fraction: Optional[float]  # the shared memory_budget chosen (None: no budget needed)
+    fraction: Optional[float]  # the shared memory_budget chosen (None: the compile's own, ``compiled``)
     measured: int  # the measured step peak with it
     tried: Dict[Optional[float], int] = field(default_factory=dict)  # shared memory_budget -> measured peak
     estimates: Dict[Optional[float], int] = field(default_factory=dict)  # -> whole-step estimate
@@ -61,18 +61,27 @@ class FitResult:
     graphs: int = 0
     calls: int = 0
     seconds: float = 0.0
+    compiled: Optional[float] = None  # the compile's memory_budget, a fraction, that None stands for (else none)
 
     def __str__(self) -> str:
-        name = "no budget" if self.fraction is None else f"memory_budget {self.fraction:g}"
+        name = f"memory_budget {_named(self.fraction, self.compiled)}"
         text = (f"remat.fit: {name} for all {self.graphs} graphs ({self.calls} calls) of the step: measured peak "
                 f"{fmt_bytes(self.measured)} <= limit {fmt_bytes(self.limit)}"
                 + (" (from the plan cache)" if self.cached else f" ({len(self.tried)} plans measured)")
                 + f" in {self.seconds:.1f} s")
         for f, m in self.tried.items():
             est = self.estimates.get(f)
-            text += (f"\n  {'none' if f is None else f'{f:g}':>5s}: measured {fmt_bytes(m)}"
+            text += (f"\n  {_named(f, self.compiled):>5s}: measured {fmt_bytes(m)}"
                      + ("" if est is None else f", estimated {fmt_bytes(est)}") + ("  <- chosen" if f == self.fraction else ""))
         return text
+
+
+def _named(fraction: Optional[float], compiled: Optional[float]) -> str:
+    """A shared budget as the result says it: None is the compile's own fraction (step.py
+    shared_options), or none."""
+    if fraction is not None:
+        return f"{fraction:g}"
+    return "none" if compiled is None else f"{compiled:g} (the compile's)"
 
 
 @dataclass
@@ -96,6 +105,7 @@ def _auto_key(limit: int) -> tuple:
 
 
 _ACTIVE: List[_Scope] = []
+_ABSENT = object()
 
 
 def _entry(graph: CompiledGraph, options: BackendOptions, limit) -> str:
@@ -137,17 +147,40 @@ def _save(graphs, fraction, measured, scope: _Scope) -> None:
                       f"searches again (cache_dir= a folder it can write, or cache=False)", stacklevel=3)
 
 
+_PEAK_HINT = ("remat_fx: remat.fit's peak must be a size with a unit ('6GiB', '512MiB'), an int number of bytes, "
+              "or 'auto' (CUDA: the device's free memory less 10%)")
+
+
 def _limit(peak) -> int:
-    if peak == "auto":
-        return auto_limit()
+    if isinstance(peak, str) and peak == "auto":
+        try:
+            return auto_limit()
+        except ValueError:
+            raise ValueError("remat_fx: remat.fit's peak='auto' reads the free memory of the CUDA device, and no "
+                             "CUDA device is available; give a size instead, e.g. peak='2GiB'") from None
+    if isinstance(peak, bool) or not isinstance(peak, (int, float, str)):
+        raise ValueError(f"{_PEAK_HINT}, got {type(peak).__name__} {peak!r}")
+    if isinstance(peak, float):
+        raise ValueError(f"{_PEAK_HINT}, got the float {peak!r}: fit measures the step's peak in bytes (a fraction "
+                         f"is a memory_budget's or a peak_budget's, options of the compile); for a size write an int "
+                         f"or a string with a unit, e.g. '{peak:g}GiB'")
     try:
         budget = parse_budget(peak, "remat.fit's peak")
     except ValueError as e:
-        raise ValueError(f"remat_fx: {e}; or 'auto' (CUDA: the device's free memory)") from None
+        detail = str(e).rsplit("; got ", 1)[-1]  # parse_budget's hint is a memory_budget's (fractions too)
+        raise ValueError(f"{_PEAK_HINT}, got {detail}") from None
     if budget is None or budget.nbytes is None:
-        raise ValueError(f"remat_fx: remat.fit's peak must be a size ('6GiB'), an int number of bytes or 'auto' "
-                         f"(CUDA), got {peak!r}")
+        raise ValueError(f"{_PEAK_HINT}, got {peak!r}: fit measures the step's peak in bytes (a fraction is a "
+                         f"memory_budget's or a peak_budget's, an option of the compile)")
     return budget.nbytes
+
+
+def _at_least(measured: int, margin: float) -> int:
+    """The least limit whose target (the limit less the margin, as fit computes it) takes ``measured``."""
+    limit = math.ceil(measured / (1 - margin))
+    while int(limit * (1 - margin)) < measured:
+        limit += 1
+    return limit
 
 
 def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: Optional[bool] = None, cache_dir=None,
@@ -200,8 +233,12 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
                          "gradients: it must run a forward and backward of a model compiled with "
                          "torch.compile(model, backend='remat')")
     graphs = list(dict.fromkeys(calls))
-    STEP.planned[_signature(calls)] = "fit"  # the step coordinator leaves this step to the fit
-    result = FitResult(limit, None, 0, graphs=len(graphs), calls=len(calls))
+    sig = _signature(calls)
+    planned_before = STEP.planned.get(sig, _ABSENT)
+    STEP.planned[sig] = "fit"  # the step coordinator leaves this step to the fit
+    user = graphs[0].options.memory_budget
+    result = FitResult(limit, None, 0, graphs=len(graphs), calls=len(calls),
+                       compiled=user.fraction if user is not None and user.nbytes is None else None)
     # the cache is used only if every rank has the plans, and the same ones
 
     def measure():  # the largest of the ranks' (one figure on every rank: the same decisions)
@@ -224,6 +261,8 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
         log.warning("remat_fx: the cached plan measures %s, over the limit %s less the margin %g (%s): searching "
                     "again", fmt_bytes(measured), fmt_bytes(limit), margin, fmt_bytes(target))
 
+    before_search = {g: g.active for g in graphs}
+
     def evaluate(f):
         together(lambda: [g.relower(shared_options(g.options, f)) for g in graphs],
                  f"lowering the step's graphs at memory_budget {f}")
@@ -234,7 +273,6 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
                  fmt_bytes(measured), fmt_bytes(target))
         return measured
 
-    user = graphs[0].options.memory_budget
     saved_limit = user.nbytes if user is not None else None
     grid = candidates(graphs[0].options)
     if saved_limit is not None:  # a byte memory_budget holds for the whole step too
@@ -257,12 +295,21 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
     chosen = _largest_fitting(grid, start, evaluate, estimate, target)
     if chosen is None:
         least = min(result.tried, key=result.tried.get)
+        # the step's graphs back as they were before the search (it left them at the last budget it
+        # measured, budget 0's least peak whatever its time, with the step left to a fit that failed)
+        together(lambda: [g.relower(options) for g, options in before_search.items()],
+                 "lowering the step's graphs back as they were before remat.fit")
+        if planned_before is _ABSENT:
+            STEP.planned.pop(sig, None)
+        else:
+            STEP.planned[sig] = planned_before
         raise PeakInfeasible(
             f"remat_fx: remat.fit: no plan measured a step peak at or under {fmt_bytes(target)} ({target:,} bytes: "
             f"the limit {fmt_bytes(limit)} less the margin {margin:g}): "
             f"the least measured is {fmt_bytes(result.tried[least])} ({result.tried[least]:,} bytes), with every "
-            f"graph at memory_budget {'none' if least is None else f'{least:g}'}. Raise the limit to at least "
-            f"{int(result.tried[least] / (1 - margin)):,} bytes, or shrink the step (batch, sequence length).")
+            f"graph at memory_budget {_named(least, result.compiled)}. Raise the limit to at least "
+            f"{_at_least(result.tried[least], margin):,} bytes, or shrink the step (batch, sequence length). The "
+            f"step's graphs are as they were before remat.fit.")
     best = grid[chosen]
     if list(result.tried)[-1] != best:
         together(lambda: [g.relower(shared_options(g.options, best)) for g in graphs],

@@ -3,6 +3,7 @@ report, one peak_budget for all of them, and the measured fit with its plan cach
 import copy
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -497,6 +498,17 @@ def test_peak_budget_and_fit_limits_are_checked_when_given():
             remat.options.parse_options({"peak_budget": "auto"})
     with pytest.raises(ValueError, match="remat.fit's peak must be a size"):
         remat.fit(lambda: None, peak=0.5)
+    # what the message offers is what fit takes (it offered a memory_budget's fractions and '50%')
+    for peak, said in ((1.5, r"got the float 1.5: fit measures the step's peak in bytes .* e.g. '1.5GiB'"),
+                       ("50%", r"got '50%': fit measures the step's peak in bytes"),
+                       ("5 parsecs", r"got '5 parsecs' \(units: "), ([1], r"got list \[1\]")):
+        with pytest.raises(ValueError, match=r"remat.fit's peak must be a size with a unit .*, an int number of "
+                                             r"bytes, or 'auto' .*" + said):
+            remat.fit(lambda: None, peak=peak)
+    if not torch.cuda.is_available():  # named as fit's peak, not the compile's peak_budget
+        with pytest.raises(ValueError, match=r"remat.fit's peak='auto' reads the free memory of the CUDA device, and "
+                                             r"no CUDA device is available; give a size instead, e.g. peak='2GiB'"):
+            remat.fit(lambda: None, peak="auto")
     with pytest.raises(ValueError, match="margin must be a fraction"):
         remat.fit(lambda: None, peak="1MiB", margin=1.5)
     with pytest.raises(ValueError, match="ran no graph compiled with backend='remat'"):
@@ -532,9 +544,35 @@ def test_fit_keeps_a_byte_memory_budget_for_the_whole_step():
 
 
 def test_fit_names_the_least_measured_peak_when_nothing_fits():
-    _, step = make({"lower": "eager"})
-    with pytest.raises(PeakInfeasible, match=r"no plan measured a step peak at or under .* the least measured is"):
+    """The limit the error asks for is enough (it was one byte short: the target is the limit less the
+    margin, truncated), and the step's graphs are as they were before the fit (they were left at the
+    last budget measured, budget 0's least peak, and the step left to the failed fit)."""
+    from remat_fx.measured_fit import _at_least
+
+    _, step = make({"lower": "eager", "memory_budget": 0.9})
+    step()
+    before = [g.active for g in STEP.finished()]
+    with pytest.raises(PeakInfeasible, match=r"no plan measured a step peak at or under .* the least measured is "
+                                             r".* Raise the limit to at least ([0-9,]+) bytes.* The step's graphs "
+                                             r"are as they were before remat.fit.") as info:
         remat.fit(step, peak=64 * 1024, cache=False)
+    step()
+    assert [g.active for g in STEP.finished()] == before  # memory_budget 0.9 again
+    asked = int(re.search(r"at least ([0-9,]+) bytes", str(info.value)).group(1).replace(",", ""))
+    result = remat.fit(step, peak=asked, cache=False)
+    assert result.measured <= int(asked * 0.98)
+    assert all(int(_at_least(m, margin) * (1 - margin)) >= m > int((_at_least(m, margin) - 1) * (1 - margin))
+               for m in (378900, 10**9 + 7, 12345) for margin in (0.02, 0.1, 0.0))
+
+
+def test_a_fit_that_keeps_the_compiles_budget_names_it():
+    """fraction None is the compile's own memory_budget where it is a fraction (it said "no budget")."""
+    _, step = make({"lower": "eager", "memory_budget": 0.3})
+    result = remat.fit(step, peak="1GiB", cache=False)
+    assert result.fraction is None and result.compiled == 0.3
+    assert str(result).startswith("remat.fit: memory_budget 0.3 (the compile's) for all ")
+    assert "0.3 (the compile's): measured" in str(result)
+    assert all(g.active.memory_budget.fraction == 0.3 for g in STEP.finished())
 
 
 JOB = '''
