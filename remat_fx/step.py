@@ -27,6 +27,7 @@ import gc
 import hashlib
 import logging
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -949,6 +950,16 @@ def _signature(calls: Sequence[CompiledGraph]) -> tuple:
     return tuple(g.index for g in calls)
 
 
+def _step_limits(options: BackendOptions) -> str:
+    """The whole-step limits among ``options``, as a user wrote them ('' if none)."""
+    said = []
+    if options.step_peak is not None:
+        said.append(f"peak_budget {options.step_peak}")
+    if options.memory_budget is not None and options.memory_budget.nbytes is not None:
+        said.append(f"memory_budget {fmt_bytes(options.memory_budget.nbytes)}")
+    return ", ".join(said)
+
+
 def _after_step(calls: List[CompiledGraph]) -> None:
     """Once a step of several calls has run: plan it again as a whole if it has a whole-step limit
     (a byte peak_budget or memory_budget) it is estimated to exceed, or a fraction peak_budget to
@@ -963,7 +974,20 @@ def _after_step(calls: List[CompiledGraph]) -> None:
         return  # a new graph among settled ones: STEP.settle has the next step recorded whole, and planned
     opts = calls[0].options
     if any(g.options.key() != opts.key() for g in calls):
-        return  # graphs of other models or options: not one step's to plan
+        # graphs of other models or options: not one step's to plan; said once where any asked for a
+        # whole-step limit, which is then not held (it was silent: the model's peak_budget, the loss
+        # compiled apart without one, and the step's estimate 49% over the limit its report printed)
+        STEP.planned[sig] = None
+        limited = {g.index: _step_limits(g.options) for g in calls}
+        if any(limited.values()):
+            warnings.warn(
+                "remat_fx: the graphs of this step were compiled with different options ("
+                + "; ".join(f"graph {i}: {text or 'no whole-step limit'}" for i, text in limited.items())
+                + "): a whole-step limit is planned for a step whose graphs share their options, so this one is "
+                "not held for the step (each graph was planned against what the graphs before it left, at their "
+                "first call only). Compile every graph of the step with the same options (the loss too).",
+                stacklevel=2)
+        return
     STEP.planned[sig] = None
     budget = opts.memory_budget
     saved_limit = budget.nbytes if budget is not None else None

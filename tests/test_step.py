@@ -439,6 +439,35 @@ def test_a_step_planned_again_keeps_a_graph_with_dynamic_shapes_dynamic():
                    for d in x.shape) for g in relowered)
 
 
+def test_a_whole_step_limit_on_graphs_of_other_options_is_said_not_to_be_held():
+    """A peak_budget on the model, and the loss compiled apart without one: the step is not planned
+    as a whole (its graphs' options differ), and that is said once (it was silent, and the step's
+    report printed the limit beside an estimate over it)."""
+    import warnings
+
+    torch.manual_seed(0)
+    body = _ns["Block"](32)
+    head = _ns["Block"](32)
+    limited = torch.compile(body, backend="remat", options={"lower": "eager", "peak_budget": "10MiB"})
+    plain = torch.compile(head, backend="remat", options={"lower": "eager"})
+    x = torch.randn(4, 16, 32)
+
+    def step():
+        plain(limited(x)).square().mean().backward()
+
+    step()
+    with pytest.warns(UserWarning, match=r"the graphs of this step were compiled with different options \(graph "
+                                         r"\d+: peak_budget 10.00 MiB; graph \d+: no whole-step limit\): a "
+                                         r"whole-step limit is planned for a step whose graphs share their options, "
+                                         r"so this one is not held .* Compile every graph of the step with the same "
+                                         r"options \(the loss too\)."):
+        step()  # the last step's plan is looked at when the next one begins
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        step()
+        step()
+
+
 def test_byte_memory_budget_holds_for_the_whole_step():
     eager_model, eager_step = make()
     eager_step()
