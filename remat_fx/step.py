@@ -941,7 +941,19 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
                     per_graph.memory_budget)
         alone, _ = graph_options(options, before=())
         graph.gm = _copy_dynamo_graph(graph.pristine)  # as Dynamo made it: Inductor's passes rewrite what they lower
-        graph.compile(alone)  # a limit this graph alone cannot meet raises here, naming it
+        try:
+            graph.compile(alone)  # a limit this graph alone cannot meet raises here, naming it
+        except (PeakInfeasible, BudgetInfeasible) as e:
+            # what it names is this graph's least alone, which the step needs more than (it read as the
+            # step's: a limit raised to it failed again on the next step)
+            before = [g for g in STEP.current() if g.plan is not None]
+            held = sum(g.cost.saved + g.cost.held for g in before)
+            raise type(e)(
+                f"{e}\nThat is graph {graph.index} of this step alone, planned without the "
+                f"{len(before)} call(s) before it in the step, which hold {fmt_bytes(held)} through it (saved for "
+                f"their backward, and outputs): the whole step needs more. A first step with a "
+                f"{'peak_budget' if isinstance(e, PeakInfeasible) else 'memory_budget'} of 0 shows the step's "
+                f"least in remat.step_report().") from None
         graph.over = True
     return graph
 

@@ -987,6 +987,53 @@ def test_a_graph_the_calls_before_it_leave_too_little_is_planned_alone_and_the_s
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_a_limit_a_later_graph_cannot_meet_alone_says_the_step_needs_more():
+    """Under a peak_budget below what a later graph of the step needs even alone, the error names that
+    graph's least alone and says the step needs more (it read as the step's least: a limit raised to
+    it failed again on the next step, at the step's least)."""
+    torch.manual_seed(0)
+    d, vocab = 32, 512
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(_ns["Block"](d) for _ in range(4))
+            self.head = torch.nn.Linear(d, vocab)
+
+        def forward(self, x):
+            for i, block in enumerate(self.blocks):
+                if i == 2:
+                    torch._dynamo.graph_break()
+                x = block(x)
+            return self.head(x)
+
+    def loss_fn(logits, y):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    x, y = torch.randn(4, 32, d), torch.randint(0, vocab, (4, 32))
+
+    def steps(peak, n):
+        torch._dynamo.reset()
+        STEP.reset()
+        options = {"lower": "eager", "peak_budget": peak}
+        model = torch.compile(LM(), backend="remat", options=options)
+        loss = torch.compile(loss_fn, backend="remat", options=options)
+        for _ in range(n):
+            loss(model(x), y).backward()
+
+    steps(0, 3)
+    least = remat.step_report().peak.peak  # the step's least estimated peak
+    with pytest.raises(PeakInfeasible) as info:
+        steps(int(least * 0.7), 1)
+    text = str(info.value)
+    alone = int(re.search(r"Raise peak_budget to at least ([0-9,]+) bytes", text).group(1).replace(",", ""))
+    assert alone < least  # what it names is not enough for the step, and it says so
+    assert re.search(r"\nThat is graph \d+ of this step alone, planned without the \d+ call\(s\) before it in the "
+                     r"step, which hold .* through it \(saved for their backward, and outputs\): the whole step needs "
+                     r"more. A first step with a peak_budget of 0 shows the step's least in remat.step_report\(\).",
+                     text), text
+
+
 def test_a_fit_whose_cached_graphs_disagree_on_the_budget_searches_again(tmp_path):
     """The cache keeps a choice per graph: a graph shared with another step may have been fitted
     there at another budget. A step whose graphs come from the cache at different budgets is
