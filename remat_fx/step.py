@@ -1161,8 +1161,11 @@ class StepReport:
         if not self.calls:
             return "remat step: no training step has run a graph compiled with backend='remat'"
         p = self.peak
+        counted = sum(plan.total_bytes for _, plan, _ in self.calls)  # what a byte memory_budget counts
         lines = [f"remat step: {len(self.calls)} calls of {len(self.graphs)} compiled graphs; estimated step peak "
                  f"{fmt_bytes(p.peak)} (at the {p.phase} of call {p.call}), saved for backward {fmt_bytes(self.saved_bytes)}"
+                 + ("" if counted == self.saved_bytes else
+                    f" ({fmt_bytes(counted)} with the inputs saved, as a byte memory_budget counts them)")
                  + ("" if self.limit is None else f"; peak_budget {fmt_bytes(self.limit)}"),
                  f"  {'call':>4s} {'graph':>5s} {'saved':>12s} {'held':>12s} {'freed':>12s} {'freed later':>12s} {'fw peak':>12s} "
                  f"{'bw peak':>12s} {'grads':>12s} {'step at fw':>12s} {'step at bw':>12s}  budget"]
