@@ -18,7 +18,7 @@ the largest that fits, to confirm it, and past those a bisection or a walk down 
 The choice is cached on disk (``cache_dir``, default ``$REMAT_FX_CACHE_DIR`` or
 ``~/.cache/remat_fx``), keyed by each graph (its code, its inputs' shapes and dtypes, the torch
 version, remat_fx's own source), its options and the limit: the next run of the same job compiles
-each graph straight at the chosen budget, measures once, and searches no more.
+each graph straight at the chosen budget, measures it (twice, the larger counting, as the search does) and searches no more.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ backward, so a limit on one graph's memory is not a limit on the step's. This mo
   memory budget, the largest on a grid whose whole-step estimate fits (:func:`plan_step`);
 * reports it: :func:`step_report`.
 
-The measured fit (``remat.fit``, remat_fx/fit.py) uses the same pieces with measured peaks.
+The measured fit (``remat.fit``, remat_fx/measured_fit.py) uses the same pieces with measured peaks.
 """
 from __future__ import annotations
 
