@@ -646,10 +646,12 @@ class _Step:
     def enter(self, graph: CompiledGraph) -> None:
         if self.backward_began:  # the first forward after a backward: a new step
             self.calls, self.made, self.backward_began = [], {}, False
-            _after_step(self.last)
-            self.settle()
             self.number += 1
             self.auto = {k: v for k, v in self.auto.items() if k >= self.number}
+            if self.number not in self.auto and any(g.options.step_peak == "auto" for g in self.last):
+                self.auto[self.number] = auto_limit()  # at the step's start, before its first forward
+            _after_step(self.last)  # the last step planned as a whole, against this step's reading
+            self.settle()
         self.calls = [c for c in self.calls[-self._MAX_CALLS:] if c[1]() is not None]
         if len(self.made) > 4 * self._MAX_CALLS:  # forwards without a backward: only the calls kept
             self.made = {id(r()): (io, k, r) for _, _, io in self.calls for k, r in enumerate(io.outputs)
@@ -743,13 +745,14 @@ class _Step:
             g.settled = True
 
     def auto_limit(self) -> int:
-        """``auto_limit()`` read once per step, when the step first asks (its first graph's compile,
-        before the step has allocated anything): read again later in the step, the device's free
-        memory lacks what the step's earlier graphs hold, which the step's limit takes off again
-        (graph_options: each later graph's limit is the step's less what the calls before it hold),
-        and after its backward it lacks the gradients, which the step's estimate counts (the step's
-        own plan, _after_step, runs when the next step begins). A compile after a backward, before
-        the next forward's call, is the next step's."""
+        """``auto_limit()`` read once per step, at its start: at its first graph's compile, or at its
+        first forward's call (enter) where a graph of the last step asked for "auto", before the step
+        has allocated anything. Read again later in the step, the device's free memory lacks what the
+        step's earlier graphs hold, which the step's limit takes off again (graph_options: each later
+        graph's limit is the step's less what the calls before it hold). The last step's own plan
+        (_after_step, when this one begins) takes this step's reading: after the optimizer's step,
+        whose state the first step's reading did not know of. A compile after a backward, before the
+        next forward's call, is the next step's."""
         number = self.number + (1 if self.backward_began else 0)
         if number not in self.auto:
             self.auto[number] = auto_limit()

@@ -378,11 +378,13 @@ def test_whole_step_peak_budget_holds_across_a_graph_break():
 
 
 def test_peak_budget_auto_reads_the_device_once_per_step(monkeypatch):
-    """peak_budget="auto" is read once a step, at its first graph's compile: it was read again at each
-    graph's compile, when the device's free memory lacked what the earlier graphs hold, and the step's
-    limit took that off once more (graph 2 planned against the limit less graph 1's saved bytes twice),
-    and again after the backward, without the gradients. (CUDA's free memory stood in for: a reading
-    that falls by 1 MiB each time it is read.) And it is whole MiB (64 MiB from 1 GiB), rounded down."""
+    """peak_budget="auto" is read once a step, at its start: it was read again at each graph's
+    compile, when the device's free memory lacked what the earlier graphs hold, and the step's limit
+    took that off once more (graph 2 planned against the limit less graph 1's saved bytes twice). The
+    step's plan as a whole, made when the next step begins, takes that step's reading: after the
+    optimizer's step, whose state the first reading did not know of. (CUDA's free memory stood in
+    for: the step's first reading, then one an optimizer's state has taken from.) And the reading is
+    whole MiB (64 MiB from 1 GiB), rounded down."""
     from remat_fx import options as options_module
     from remat_fx import step as step_module
 
@@ -393,17 +395,22 @@ def test_peak_budget_auto_reads_the_device_once_per_step(monkeypatch):
     readings = []
 
     def auto_limit():
-        readings.append(2 * free - len(readings) * 2**20)
+        readings.append(2 * free if not readings else int(free * 0.8))
         return readings[-1]
 
     monkeypatch.setattr(step_module, "auto_limit", auto_limit)
     monkeypatch.setattr(options_module, "_cuda_available", lambda: True)  # the option's check
     _, step = make({"lower": "eager", "peak_budget": "auto"})
-    for _ in range(3):
-        step()
+    step()
     first, second = STEP.finished()[:2]
-    assert readings == [2 * free]  # once, for the step
+    assert readings == [2 * free]  # once, for the step, at its first graph's compile
     assert second.active.peak_budget == 2 * free - (first.cost.saved + first.cost.held)
+    step()  # at its start, the last step is planned as a whole against this step's reading
+    assert readings == [2 * free, int(free * 0.8)]
+    assert STEP.step_plan is not None and STEP.step_plan.limit == int(free * 0.8)
+    assert remat.step_report().peak.peak <= int(free * 0.8)
+    step()
+    assert len(readings) == 3  # once a step
     # the reading itself: rounded down, to whole MiB under 1 GiB and 64 MiB from there
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # nothing compiles from here on
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 0)
