@@ -18,11 +18,11 @@ the largest that fits, to confirm it, and past those a bisection or a walk down 
 The choice is cached on disk (``cache_dir``, default ``$REMAT_FX_CACHE_DIR`` or
 ``~/.cache/remat_fx``), keyed by each graph (its code, its inputs' shapes and dtypes, the torch
 version, remat_fx's own source), its options and the limit: the next run of the same job compiles
-each graph straight at the chosen budget, measures it (twice, the larger counting, as the search does) and searches no more.
+each graph straight at the chosen budget, measures it (twice, the larger counting, as the search
+does) and searches no more.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -72,7 +72,8 @@ class FitResult:
         for f, m in self.tried.items():
             est = self.estimates.get(f)
             text += (f"\n  {_named(f, self.compiled):>5s}: measured {fmt_bytes(m)}"
-                     + ("" if est is None else f", estimated {fmt_bytes(est)}") + ("  <- chosen" if f == self.fraction else ""))
+                     + ("" if est is None else f", estimated {fmt_bytes(est)}")
+                     + ("  <- chosen" if f == self.fraction else ""))
         return text
 
 
@@ -93,6 +94,14 @@ class _Scope:
     def __post_init__(self):
         if self.key is None:
             self.key = self.limit
+
+    def keys(self) -> list:
+        """The keys a cached choice is looked up under: ``key``, and for peak="auto" the buckets on
+        either side of it too (a limit just across a bucket's edge from the last run's; the plan
+        found is measured against this run's limit all the same)."""
+        if isinstance(self.key, tuple) and self.key[0] == "auto":
+            return [self.key, ("auto", self.key[1] - 1), ("auto", self.key[1] + 1)]
+        return [self.key]
 
 
 _AUTO_STEP = 0.01  # peak="auto": the cache keys the limit to within this fraction
@@ -125,10 +134,13 @@ def cached_options(graph: CompiledGraph, options: BackendOptions) -> Optional[Ba
     if not _ACTIVE or _ACTIVE[-1].directory is None:
         return None
     scope = _ACTIVE[-1]
-    path = scope.directory / _entry(graph, options, scope.key)
-    try:
-        entry = json.loads(path.read_text())
-    except (OSError, ValueError):
+    for key in scope.keys():
+        try:
+            entry = json.loads((scope.directory / _entry(graph, options, key)).read_text())
+            break
+        except (OSError, ValueError):
+            continue
+    else:
         return None
     graph.cached = scope  # this fit's, not an earlier one's in the process
     return shared_options(options, entry["fraction"])
@@ -160,6 +172,8 @@ def _limit(peak) -> int:
                              "CUDA device is available; give a size instead, e.g. peak='2GiB'") from None
     if isinstance(peak, bool) or not isinstance(peak, (int, float, str)):
         raise ValueError(f"{_PEAK_HINT}, got {type(peak).__name__} {peak!r}")
+    if isinstance(peak, int) and peak in (0, 1):  # fractions to parse_budget (a memory_budget's 0 and 1)
+        raise ValueError(f"{_PEAK_HINT}, got {peak}: no step peaks at {peak} byte(s) or under")
     if isinstance(peak, float):
         raise ValueError(f"{_PEAK_HINT}, got the float {peak!r}: fit measures the step's peak in bytes (a fraction "
                          f"is a memory_budget's or a peak_budget's, options of the compile); for a size write an int "
@@ -177,7 +191,7 @@ def _limit(peak) -> int:
 
 def _at_least(measured: int, margin: float) -> int:
     """The least limit whose target (the limit less the margin, as fit computes it) takes ``measured``."""
-    limit = math.ceil(measured / (1 - margin))
+    limit = int(measured / (1 - margin))  # at or under the least (its float may round either way)
     while int(limit * (1 - margin)) < measured:
         limit += 1
     return limit
@@ -245,83 +259,96 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
         _drop_grads(leaves)
         return agreed(step_peak_bytes(run, device), max)
 
-    # and one budget for all the step's graphs (the entries are per graph: a graph another step shares was
-    # fitted with that step, maybe at another budget)
-    fractions = tuple(_fraction_of(g) for g in graphs)
-    mine = (all(g.cached is scope for g in graphs) and len(set(fractions)) == 1, fractions)
-    if agreed(mine, lambda by_rank: all(c for c, _ in by_rank) and len({f for _, f in by_rank}) == 1):
-        measured = max(measure(), measure())  # measured as the search measures (the margin, the larger of two)
-        fraction = _fraction_of(graphs[0])
-        if measured <= target:
-            result.fraction, result.measured, result.cached = fraction, measured, True
-            result.tried[fraction] = measured
-            result.seconds = time.perf_counter() - t0
-            log.info("%s", result)
-            return result
-        log.warning("remat_fx: the cached plan measures %s, over the limit %s less the margin %g (%s): searching "
-                    "again", fmt_bytes(measured), fmt_bytes(limit), margin, fmt_bytes(target))
+    # where the search fails (nothing fits, a measurement runs out of memory, a rank fails, an
+    # interrupt), the step's graphs are lowered back as they were and the step is no longer the fit's
+    # (a failed fit left them at the last budget it measured, budget 0's least peak whatever its time)
+    restore_to = {g: g.options if g.cached is scope else g.active for g in graphs}
 
-    before_search = {g: g.active for g in graphs}
-
-    def evaluate(f):
-        together(lambda: [g.relower(shared_options(g.options, f)) for g in graphs],
-                 f"lowering the step's graphs at memory_budget {f}")
-        run()  # the backward compiles lazily, and the allocator settles
-        measured = max(measure(), measure())
-        result.tried[f] = measured
-        log.info("remat_fx: fit: shared memory_budget %s measures %s (target %s)", "none" if f is None else f"{f:g}",
-                 fmt_bytes(measured), fmt_bytes(target))
-        return measured
-
-    saved_limit = user.nbytes if user is not None else None
-    grid = candidates(graphs[0].options)
-    if saved_limit is not None:  # a byte memory_budget holds for the whole step too
-        saved = estimate_curve(calls, fractions=grid)
-        fits_all = agreed([f for f in grid if saved[f][1] <= saved_limit],  # on every rank
-                          lambda by_rank: [f for f in grid if all(f in k for k in by_rank)])
-        grid = fits_all or grid[-1:]
-    curve = estimate_curve(calls, fractions=grid, stop=lambda peak, _: peak <= target)
-    result.estimates = {f: peak for f, (peak, _) in curve.items()}
-    fitting = [f for f, e in result.estimates.items() if e <= target]
-    # where to start: the smallest budget any rank's estimate asks for
-    start = agreed(grid.index(fitting[0] if fitting else list(result.estimates)[-1]), max)
-
-    def estimate(i):  # the whole-step estimate at grid[i], planned for the first time here if needed
-        if grid[i] not in result.estimates:
-            more = estimate_curve(calls, fractions=grid[i:i + 1])
-            result.estimates[grid[i]] = more[grid[i]][0]
-        return result.estimates[grid[i]]
-
-    chosen = _largest_fitting(grid, start, evaluate, estimate, target)
-    if chosen is None:
-        least = min(result.tried, key=result.tried.get)
-        # the step's graphs back as they were before the search (it left them at the last budget it
-        # measured, budget 0's least peak whatever its time, with the step left to a fit that failed)
-        together(lambda: [g.relower(options) for g, options in before_search.items()],
-                 "lowering the step's graphs back as they were before remat.fit")
+    def restore():  # each rank on its own, no collective: a rank may be failing alone
         if planned_before is _ABSENT:
             STEP.planned.pop(sig, None)
         else:
             STEP.planned[sig] = planned_before
-        raise PeakInfeasible(
-            f"remat_fx: remat.fit: no plan measured a step peak at or under {fmt_bytes(target)} ({target:,} bytes: "
-            f"the limit {fmt_bytes(limit)} less the margin {margin:g}): "
-            f"the least measured is {fmt_bytes(result.tried[least])} ({result.tried[least]:,} bytes), with every "
-            f"graph at memory_budget {_named(least, result.compiled)}. Raise the limit to at least "
-            f"{_at_least(result.tried[least], margin):,} bytes, or shrink the step (batch, sequence length). The "
-            f"step's graphs are as they were before remat.fit.")
-    best = grid[chosen]
-    if list(result.tried)[-1] != best:
-        together(lambda: [g.relower(shared_options(g.options, best)) for g in graphs],
-                 f"lowering the step's graphs at memory_budget {best}")
-    for g in graphs:
-        record(g.plan)
-    result.fraction, result.measured = best, result.tried[best]
-    if scope.directory is not None:
-        _save(graphs, best, result.measured, scope)
-    result.seconds = time.perf_counter() - t0
-    log.info("%s", result)
-    return result
+        for g, options in restore_to.items():
+            g.relower(options)
+
+    try:
+        # and one budget for all the step's graphs (the entries are per graph: a graph another step
+        # shares was fitted with that step, maybe at another budget)
+        fractions = tuple(_fraction_of(g) for g in graphs)
+        mine = (all(g.cached is scope for g in graphs) and len(set(fractions)) == 1, fractions)
+        if agreed(mine, lambda by_rank: all(c for c, _ in by_rank) and len({f for _, f in by_rank}) == 1):
+            measured = max(measure(), measure())  # as the search measures (the margin, the larger of two)
+            fraction = _fraction_of(graphs[0])
+            if measured <= target:
+                result.fraction, result.measured, result.cached = fraction, measured, True
+                result.tried[fraction] = measured
+                result.seconds = time.perf_counter() - t0
+                log.info("%s", result)
+                return result
+            log.warning("remat_fx: the cached plan measures %s, over the limit %s less the margin %g (%s): "
+                        "searching again", fmt_bytes(measured), fmt_bytes(limit), margin, fmt_bytes(target))
+
+        def evaluate(f):
+            together(lambda: [g.relower(shared_options(g.options, f)) for g in graphs],
+                     f"lowering the step's graphs at memory_budget {f}")
+            run()  # the backward compiles lazily, and the allocator settles
+            measured = max(measure(), measure())
+            result.tried[f] = measured
+            log.info("remat_fx: fit: shared memory_budget %s measures %s (target %s)",
+                     "none" if f is None else f"{f:g}", fmt_bytes(measured), fmt_bytes(target))
+            return measured
+
+        saved_limit = user.nbytes if user is not None else None
+        grid = candidates(graphs[0].options)
+        if saved_limit is not None:  # a byte memory_budget holds for the whole step too
+            saved = estimate_curve(calls, fractions=grid)
+            fits_all = agreed([f for f in grid if saved[f][1] <= saved_limit],  # on every rank
+                              lambda by_rank: [f for f in grid if all(f in k for k in by_rank)])
+            grid = fits_all or grid[-1:]
+        curve = estimate_curve(calls, fractions=grid, stop=lambda peak, _: peak <= target)
+        result.estimates = {f: peak for f, (peak, _) in curve.items()}
+        fitting = [f for f, e in result.estimates.items() if e <= target]
+        # where to start: the smallest budget any rank's estimate asks for
+        start = agreed(grid.index(fitting[0] if fitting else list(result.estimates)[-1]), max)
+
+        def estimate(i):  # the whole-step estimate at grid[i], planned for the first time here if needed
+            if grid[i] not in result.estimates:
+                more = estimate_curve(calls, fractions=grid[i:i + 1])
+                result.estimates[grid[i]] = more[grid[i]][0]
+            return result.estimates[grid[i]]
+
+        chosen = _largest_fitting(grid, start, evaluate, estimate, target)
+        if chosen is None:
+            least = min(result.tried, key=result.tried.get)
+            raise PeakInfeasible(
+                f"remat_fx: remat.fit: no plan measured a step peak at or under {fmt_bytes(target)} ({target:,} "
+                f"bytes: the limit {fmt_bytes(limit)} less the margin {margin:g}): "
+                f"the least measured is {fmt_bytes(result.tried[least])} ({result.tried[least]:,} bytes), with every "
+                f"graph at memory_budget {_named(least, result.compiled)}. Raise the limit to at least "
+                f"{_at_least(result.tried[least], margin):,} bytes, or shrink the step (batch, sequence length). The "
+                f"step's graphs are lowered back as they were before remat.fit's search (with the compile's options "
+                f"where fit compiled them from its cache).")
+        best = grid[chosen]
+        if list(result.tried)[-1] != best:
+            together(lambda: [g.relower(shared_options(g.options, best)) for g in graphs],
+                     f"lowering the step's graphs at memory_budget {best}")
+        for g in graphs:
+            record(g.plan)
+        result.fraction, result.measured = best, result.tried[best]
+        if scope.directory is not None:
+            _save(graphs, best, result.measured, scope)
+        result.seconds = time.perf_counter() - t0
+        log.info("%s", result)
+        return result
+    except BaseException as e:
+        try:
+            restore()
+        except Exception as again:  # the search's error stands, with this one noted on it
+            log.error("remat_fx: remat.fit could not lower the step's graphs back after %r: %r", e, again)
+            if hasattr(e, "add_note"):  # Python 3.11
+                e.add_note(f"remat_fx: lowering the step's graphs back as they were failed too: {again!r}")
+        raise
 
 
 def _largest_fitting(grid, start: int, evaluate, estimate, target: int) -> Optional[int]:

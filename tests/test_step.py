@@ -553,7 +553,8 @@ def test_peak_budget_and_fit_limits_are_checked_when_given():
     # what the message offers is what fit takes (it offered a memory_budget's fractions and '50%')
     for peak, said in ((1.5, r"got the float 1.5: fit measures the step's peak in bytes .* e.g. '1.5GiB'"),
                        ("50%", r"got '50%': fit measures the step's peak in bytes"),
-                       ("5 parsecs", r"got '5 parsecs' \(units: "), ([1], r"got list \[1\]")):
+                       ("5 parsecs", r"got '5 parsecs' \(units: "), ([1], r"got list \[1\]"),
+                       (1, r"got 1: no step peaks at 1 byte\(s\) or under")):
         with pytest.raises(ValueError, match=r"remat.fit's peak must be a size with a unit .*, an int number of "
                                              r"bytes, or 'auto' .*" + said):
             remat.fit(lambda: None, peak=peak)
@@ -596,9 +597,10 @@ def test_fit_keeps_a_byte_memory_budget_for_the_whole_step():
 
 
 def test_fit_names_the_least_measured_peak_when_nothing_fits():
-    """The limit the error asks for is enough (it was one byte short: the target is the limit less the
-    margin, truncated), and the step's graphs are as they were before the fit (they were left at the
-    last budget measured, budget 0's least peak, and the step left to the failed fit)."""
+    """The limit the error asks for is the least that takes the least measured peak (it was one byte
+    short: the target is the limit less the margin, truncated), and the step's graphs are as they were
+    before the fit (they were left at the last budget measured, budget 0's least peak, and the step
+    left to the failed fit)."""
     from remat_fx.measured_fit import _at_least
 
     _, step = make({"lower": "eager", "memory_budget": 0.9})
@@ -606,15 +608,43 @@ def test_fit_names_the_least_measured_peak_when_nothing_fits():
     before = [g.active for g in STEP.finished()]
     with pytest.raises(PeakInfeasible, match=r"no plan measured a step peak at or under .* the least measured is "
                                              r".* Raise the limit to at least ([0-9,]+) bytes.* The step's graphs "
-                                             r"are as they were before remat.fit.") as info:
+                                             r"are lowered back as they were before remat.fit's search") as info:
         remat.fit(step, peak=64 * 1024, cache=False)
     step()
     assert [g.active for g in STEP.finished()] == before  # memory_budget 0.9 again
+    assert STEP.planned.get(tuple(g.index for g in STEP.finished())) != "fit"  # the step is its own again
+    least = int(re.search(r"the least measured is .*? \(([0-9,]+) bytes\)", str(info.value)).group(1).replace(",", ""))
     asked = int(re.search(r"at least ([0-9,]+) bytes", str(info.value)).group(1).replace(",", ""))
-    result = remat.fit(step, peak=asked, cache=False)
-    assert result.measured <= int(asked * 0.98)
-    assert all(int(_at_least(m, margin) * (1 - margin)) >= m > int((_at_least(m, margin) - 1) * (1 - margin))
-               for m in (378900, 10**9 + 7, 12345) for margin in (0.02, 0.1, 0.0))
+    assert asked == _at_least(least, 0.02)
+    for m in (least, 378900, 10**9 + 7, 12345, 1):
+        for margin in (0.02, 0.1, 0.0, 0.3333):
+            limit = _at_least(m, margin)  # the least limit whose target (as fit computes it) takes m
+            assert int(limit * (1 - margin)) >= m > int((limit - 1) * (1 - margin)), (m, margin, limit)
+
+
+def test_a_fit_that_fails_midway_lowers_the_step_back(monkeypatch):
+    """Whatever stops the search (a measurement out of memory, an interrupt), the step's graphs are
+    lowered back as they were and the step is its own again (they stayed at the candidate measured)."""
+    from remat_fx import measured_fit
+
+    _, step = make({"lower": "eager", "memory_budget": 0.9})
+    free = _measure(step)
+    before = [g.active for g in STEP.finished()]
+    measured = []
+
+    def out_of_memory(run, device=None):
+        measured.append(1)
+        if len(measured) > 2:  # the second candidate's measurement
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        return step_peak_bytes(run, device)
+
+    monkeypatch.setattr(measured_fit, "step_peak_bytes", out_of_memory)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        remat.fit(step, peak=int(free * 0.7), cache=False)
+    assert len(measured) == 3
+    step()
+    assert [g.active for g in STEP.finished()] == before
+    assert STEP.planned.get(tuple(g.index for g in STEP.finished())) != "fit"
 
 
 def test_a_fit_that_keeps_the_compiles_budget_names_it():
@@ -949,8 +979,11 @@ def test_a_fit_takes_from_its_cache_only_the_plans_its_own_run_compiled(tmp_path
 
 def test_a_fit_to_the_devices_free_memory_keys_its_cache_to_within_one_percent(tmp_path, monkeypatch):
     """peak="auto" (the CUDA device's free memory, which moves by some MiB from run to run) finds its
-    cached plan when the free memory moved by less than 1%: it was keyed by the exact bytes, and the
-    next run of the job searched again. Further off, it searches (here: the step fits without a budget)."""
+    cached plan when the free memory moved by less than 1%, across a bucket's edge too: it was keyed
+    by the exact bytes, and the next run of the job searched again. Further off, it searches (here:
+    the step fits without a budget)."""
+    import math
+
     from remat_fx import measured_fit
 
     _, step = make({"lower": "eager"})
@@ -961,9 +994,14 @@ def test_a_fit_to_the_devices_free_memory_keys_its_cache_to_within_one_percent(t
     torch._dynamo.reset()
     STEP.reset()
     _, step = make({"lower": "eager"})
-    monkeypatch.setattr(measured_fit, "auto_limit", lambda: int(free * 0.7) + 4096)  # the next run's
+    bucket = measured_fit._auto_key(int(free * 0.7))[1]
+    edge = math.ceil(math.exp((bucket + 1) * math.log1p(measured_fit._AUTO_STEP)))  # the next bucket's first
+    while measured_fit._auto_key(edge)[1] <= bucket:
+        edge += 1
+    assert int(free * 0.7) < edge < int(free * 0.7) * 1.0101
+    monkeypatch.setattr(measured_fit, "auto_limit", lambda: edge)  # the next run's, just over the edge
     again = remat.fit(step, peak="auto", cache_dir=tmp_path)
-    assert again.cached and again.fraction == first.fraction and again.limit == int(free * 0.7) + 4096
+    assert again.cached and again.fraction == first.fraction and again.limit == edge
     torch._dynamo.reset()
     STEP.reset()
     _, step = make({"lower": "eager"})
