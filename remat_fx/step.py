@@ -381,13 +381,28 @@ class CompiledGraph:
                 for i, x in enumerate(inputs)]
 
     def relower(self, options: BackendOptions, aot: bool = True) -> None:
-        """Lower again with other options (outside Dynamo: in the fake mode it traced with)."""
+        """Lower again with other options (outside Dynamo: in the fake mode it traced with). A graph
+        of dynamic shapes whose new lowering needed a guard on its sizes keeps the lowering it had:
+        Dynamo has frozen its ShapeEnv, which drops the guard (``ignored_backward_guard``), and its
+        own guards would run the new lowering at sizes it was not made for."""
         from torch._guards import TracingContext, detect_fake_mode, tracing
 
+        shape_env = getattr(self.fake_mode, "shape_env", None)
+        ignored = shape_env.counter["ignored_backward_guard"] if shape_env is not None else 0
+        kept = dict(self.__dict__)
         self.gm = _copy_dynamo_graph(self.pristine)
         with tracing(TracingContext(self.fake_mode or detect_fake_mode(self.example_inputs))), \
                 self.global_state.restored():
             self.compile(options, aot)
+        if shape_env is not None and shape_env.counter["ignored_backward_guard"] > ignored:
+            now = self.active
+            self.__dict__.clear()
+            self.__dict__.update(kept)
+            had = self.active.memory_budget if self.active is not None else None
+            warnings.warn(f"remat_fx: graph {self.index} has dynamic shapes, and lowering it again (memory_budget "
+                          f"{now.memory_budget}) needed a guard on its sizes that Dynamo can no longer add (its "
+                          f"ShapeEnv is frozen once the graph is compiled): it keeps the lowering it had "
+                          f"(memory_budget {had}), which runs at every size Dynamo lets through", stacklevel=2)
 
     def estimate(self, options: BackendOptions) -> Plan:
         """The plan ``options`` would give, from the joint graph alone (no lowering)."""

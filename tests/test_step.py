@@ -491,6 +491,44 @@ def test_the_step_report_says_what_a_byte_memory_budget_counts_where_it_differs(
         in str(report).splitlines()[0], str(report)
 
 
+def test_a_graph_of_dynamic_shapes_whose_new_lowering_needs_a_guard_keeps_its_lowering(monkeypatch):
+    """Lowering a graph of dynamic shapes again may need a guard on its sizes that Dynamo, which froze
+    its ShapeEnv, drops (counted as ``ignored_backward_guard``): the graph then keeps the lowering it
+    had, which holds at every size, with a warning. (A guard stood in for: the counter raised during
+    the relowering.) Gradients equal the uncompiled model's at every batch size."""
+    from remat_fx.step import CompiledGraph
+
+    compile_ = CompiledGraph.compile
+
+    def compile_with_a_guard(self, options, aot=True):
+        compile_(self, options, aot)
+        shape_env = getattr(self.fake_mode, "shape_env", None)
+        sizes = [d for x in self.example_inputs if isinstance(x, torch.Tensor) for d in x.shape]
+        if shape_env is not None and self.version > 1 and any(isinstance(d, torch.SymInt) for d in sizes):
+            shape_env.counter["ignored_backward_guard"] += 1
+
+    monkeypatch.setattr(CompiledGraph, "compile", compile_with_a_guard)
+    torch.manual_seed(0)
+    model = _ns["Model"](d=32)
+    reference = copy.deepcopy(model)
+    run = torch.compile(model, backend="remat", options={"lower": "eager", "peak_budget": 0.5})
+    kept = []
+    with pytest.warns(UserWarning, match=r"graph \d+ has dynamic shapes, and lowering it again \(memory_budget .*\) "
+                                         r"needed a guard on its sizes that Dynamo can no longer add .* it keeps the "
+                                         r"lowering it had \(memory_budget None\), which runs at every size"):
+        for batch in (8, 8, 8, 5, 5, 8, 3):
+            x = torch.randn(batch, 16, 32, generator=torch.Generator().manual_seed(batch))
+            model.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
+            run(x).backward()
+            reference(x).backward()
+            for a, b in zip(_grads(model), _grads(reference)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            kept += [g for g in STEP.finished() if g.version == 1 and g.fake_mode is not None and
+                     g.fake_mode.shape_env is not None and g.fake_mode.shape_env.counter["ignored_backward_guard"]]
+    assert kept  # the dynamic graphs kept their first lowering
+
+
 def test_byte_memory_budget_holds_for_the_whole_step():
     eager_model, eager_step = make()
     eager_step()
