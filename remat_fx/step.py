@@ -387,6 +387,16 @@ class CompiledGraph:
         own guards would run the new lowering at sizes it was not made for."""
         from torch._guards import TracingContext, detect_fake_mode, tracing
 
+        if self._dynamic() and not any(_symbolic(x) for x in self.example_inputs):
+            # Dynamo's symbolic inputs could not all be taken (an input of a tensor subclass: FSDP2's
+            # DTensor): lowered again from fixed sizes, Dynamo's guards would run it at other sizes
+            warnings.warn(f"remat_fx: graph {self.index} has dynamic shapes, and remat cannot lower it again from "
+                          f"its symbolic inputs (an input that is not a plain fake tensor: a tensor subclass such "
+                          f"as FSDP2's DTensor): it keeps the lowering it had (memory_budget "
+                          f"{self.active.memory_budget if self.active is not None else None}) rather than one made "
+                          f"for its first call's sizes (memory_budget {options.memory_budget} not applied)",
+                          stacklevel=2)
+            return
         shape_env = getattr(self.fake_mode, "shape_env", None)
         ignored = shape_env.counter["ignored_backward_guard"] if shape_env is not None else 0
         kept = dict(self.__dict__)
@@ -404,12 +414,19 @@ class CompiledGraph:
                           f"ShapeEnv is frozen once the graph is compiled): it keeps the lowering it had "
                           f"(memory_budget {had}), which runs at every size Dynamo lets through", stacklevel=2)
 
+    def _dynamic(self) -> bool:
+        """Whether Dynamo made this graph with dynamic sizes (a placeholder of symbolic size)."""
+        return any(_symbolic(n.meta.get("example_value")) or isinstance(n.meta.get("example_value"), torch.SymInt)
+                   for n in self.pristine.graph.find_nodes(op="placeholder"))
+
     def estimate(self, options: BackendOptions) -> Plan:
         """The plan ``options`` would give, from the joint graph alone (no lowering)."""
         from remat_fx.pareto import _tracing
 
         if self.joint is None:  # loaded from AOTAutograd's cache: traced and partitioned again
             self.relower(self.active, aot=False)
+        if self.joint is None:  # not lowered again (dynamic shapes it cannot be lowered from): its plan stays
+            return self.plan
         gm, joint_inputs, kwargs = self.joint
         with _tracing(joint_inputs):
             _partition.partition(gm, joint_inputs, options=options, **kwargs)

@@ -529,6 +529,35 @@ def test_a_graph_of_dynamic_shapes_whose_new_lowering_needs_a_guard_keeps_its_lo
     assert kept  # the dynamic graphs kept their first lowering
 
 
+def test_a_graph_of_dynamic_shapes_without_symbolic_inputs_to_lower_from_keeps_its_lowering(monkeypatch):
+    """Where Dynamo's symbolic inputs cannot all be taken (an input of a tensor subclass, FSDP2's
+    DTensor; stood in for here by taking none of them, so that fakes of the first call's sizes are
+    all there is), a graph of dynamic shapes is not lowered again for those sizes (which crashed at the
+    next size): it keeps its lowering, with a warning, and the gradients stay right at every size."""
+    from remat_fx import step as step_module
+
+    monkeypatch.setattr(step_module, "_symbolic", lambda value: False)
+    torch.manual_seed(0)
+    model = _ns["Model"](d=32)
+    reference = copy.deepcopy(model)
+    run = torch.compile(model, backend="remat", options={"lower": "eager", "peak_budget": 0.5})
+    graphs = set()
+    with pytest.warns(UserWarning, match=r"graph \d+ has dynamic shapes, and remat cannot lower it again from its "
+                                         r"symbolic inputs .* it keeps the lowering it had"):
+        for batch in (8, 8, 8, 5, 5, 8, 3):
+            x = torch.randn(batch, 16, 32, generator=torch.Generator().manual_seed(batch))
+            model.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
+            run(x).backward()
+            reference(x).backward()
+            for a, b in zip(_grads(model), _grads(reference)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            graphs |= set(STEP.finished())
+    dynamic = [g for g in graphs if g._dynamic()]
+    assert dynamic and all(g.version == 1 for g in dynamic)  # kept
+    assert any(g.version > 1 for g in graphs if not g._dynamic())  # the others planned again as the step
+
+
 def test_byte_memory_budget_holds_for_the_whole_step():
     eager_model, eager_step = make()
     eager_step()
