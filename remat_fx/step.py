@@ -387,7 +387,7 @@ class CompiledGraph:
         own guards would run the new lowering at sizes it was not made for."""
         from torch._guards import TracingContext, detect_fake_mode, tracing
 
-        if self._dynamic() and not any(_symbolic(x) for x in self.example_inputs):
+        if self._kept():
             # Dynamo's symbolic inputs could not all be taken (an input of a tensor subclass: FSDP2's
             # DTensor): lowered again from fixed sizes, Dynamo's guards would run it at other sizes
             warnings.warn(f"remat_fx: graph {self.index} has dynamic shapes, and remat cannot lower it again from "
@@ -414,6 +414,11 @@ class CompiledGraph:
                           f"ShapeEnv is frozen once the graph is compiled): it keeps the lowering it had "
                           f"(memory_budget {had}), which runs at every size Dynamo lets through", stacklevel=2)
 
+    def _kept(self) -> bool:
+        """A graph of dynamic shapes without Dynamo's symbolic inputs to be lowered again from: it keeps
+        the lowering it has (relower), and its plan is its estimate under any options (estimate)."""
+        return self._dynamic() and not any(_symbolic(x) for x in self.example_inputs)
+
     def _dynamic(self) -> bool:
         """Whether Dynamo made this graph with dynamic sizes (a placeholder of symbolic size)."""
         return any(_symbolic(n.meta.get("example_value")) or isinstance(n.meta.get("example_value"), torch.SymInt)
@@ -423,10 +428,10 @@ class CompiledGraph:
         """The plan ``options`` would give, from the joint graph alone (no lowering)."""
         from remat_fx.pareto import _tracing
 
+        if self._kept():  # not lowered again under other options: its plan stays
+            return self.plan
         if self.joint is None:  # loaded from AOTAutograd's cache: traced and partitioned again
             self.relower(self.active, aot=False)
-        if self.joint is None:  # not lowered again (dynamic shapes it cannot be lowered from): its plan stays
-            return self.plan
         gm, joint_inputs, kwargs = self.joint
         with _tracing(joint_inputs):
             _partition.partition(gm, joint_inputs, options=options, **kwargs)

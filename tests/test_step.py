@@ -555,6 +555,7 @@ def test_a_graph_of_dynamic_shapes_without_symbolic_inputs_to_lower_from_keeps_i
             graphs |= set(STEP.finished())
     dynamic = [g for g in graphs if g._dynamic()]
     assert dynamic and all(g.version == 1 for g in dynamic)  # kept
+    assert all(g.estimate(g.active) is g.plan for g in dynamic)  # and the step's estimate counts it
     assert any(g.version > 1 for g in graphs if not g._dynamic())  # the others planned again as the step
 
 
