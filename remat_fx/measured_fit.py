@@ -207,8 +207,8 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
     measures each candidate twice (the larger counts). The gradients set to None are those of the
     parameters the compiled graphs read, of every ``nn.Module`` among the arguments, and of
     ``params`` (a module or parameters: under FSDP2 the graphs read the unsharded parameters, and
-    the sharded ones, which keep the gradients, are the model's). Under a process group, call it on
-    every rank: the ranks decide on the largest of their measured peaks and end with the same plan
+    the sharded ones, which keep the gradients, are the model's); it ends with them None. Under a
+    process group, call it on every rank: the ranks decide on the largest of their measured peaks and end with the same plan
     (remat_fx/ranks.py). ``cache``: keep and read the choice on disk (default: yes, unless
     ``REMAT_FX_PLAN_CACHE=0`` and no ``cache_dir`` is given). See the module doc."""
     limit = _limit(peak)
@@ -349,6 +349,10 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
             if hasattr(e, "add_note"):  # Python 3.11
                 e.add_note(f"remat_fx: lowering the step's graphs back as they were failed too: {again!r}")
         raise
+    finally:
+        # the last measurement's gradients are not the user's: a loop that zeroes them after its
+        # optimizer's step applied them in its first step after the fit (by lr x those gradients)
+        _drop_grads(leaves)
 
 
 def _largest_fitting(grid, start: int, evaluate, estimate, target: int) -> Optional[int]:

@@ -695,7 +695,7 @@ def test_a_fit_that_fails_midway_lowers_the_step_back(monkeypatch):
     lowered back as they were and the step is its own again (they stayed at the candidate measured)."""
     from remat_fx import measured_fit
 
-    _, step = make({"lower": "eager", "memory_budget": 0.9})
+    model, step = make({"lower": "eager", "memory_budget": 0.9})
     free = _measure(step)
     before = [g.active for g in STEP.finished()]
     measured = []
@@ -709,6 +709,7 @@ def test_a_fit_that_fails_midway_lowers_the_step_back(monkeypatch):
     monkeypatch.setattr(measured_fit, "step_peak_bytes", out_of_memory)
     with pytest.raises(RuntimeError, match="CUDA out of memory"):
         remat.fit(step, peak=int(free * 0.7), cache=False)
+    assert all(p.grad is None for p in model.parameters())
     assert len(measured) == 3
     step()
     assert [g.active for g in STEP.finished()] == before
@@ -716,9 +717,12 @@ def test_a_fit_that_fails_midway_lowers_the_step_back(monkeypatch):
 
 
 def test_a_fit_that_keeps_the_compiles_budget_names_it():
-    """fraction None is the compile's own memory_budget where it is a fraction (it said "no budget")."""
-    _, step = make({"lower": "eager", "memory_budget": 0.3})
+    """fraction None is the compile's own memory_budget where it is a fraction (it said "no budget").
+    And fit ends with the step's parameters' gradients None: its last measurement's were left there,
+    and a loop that zeroes them after its optimizer's step applied them in its first step."""
+    model, step = make({"lower": "eager", "memory_budget": 0.3})
     result = remat.fit(step, peak="1GiB", cache=False)
+    assert all(p.grad is None for p in model.parameters())
     assert result.fraction is None and result.compiled == 0.3
     assert str(result).startswith("remat.fit: memory_budget 0.3 (the compile's) for all ")
     assert "0.3 (the compile's): measured" in str(result)
