@@ -977,7 +977,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
         log.warning("remat_fx: the calls before graph %d in this step leave it less than its least plan needs "
                     "(peak_budget %s, memory_budget %s left); it is planned against the whole limit for now, and "
                     "the step is planned again as a whole once it has run", graph.index,
-                    "-" if per_graph.peak_budget is None else fmt_bytes(per_graph.peak_budget),
+                    "-" if per_graph.peak_budget is None else "nothing" if per_graph.peak_budget <= 1
+                    else fmt_bytes(per_graph.peak_budget),
                     per_graph.memory_budget)
         alone, _ = graph_options(options, before=())
         graph.gm = _copy_dynamo_graph(graph.pristine)  # as Dynamo made it: Inductor's passes rewrite what they lower
@@ -1002,6 +1003,16 @@ def _signature(calls: Sequence[CompiledGraph]) -> tuple:
     return tuple(g.index for g in calls)
 
 
+def step_limit_given(options: BackendOptions) -> Optional[str]:
+    """Which byte limit a step of ``options`` has: 'peak_budget' (a size or "auto"), 'memory_budget'
+    (a size), or None (none, or fractions only)."""
+    if options.step_peak is not None and (options.step_peak == "auto" or options.step_peak.nbytes is not None):
+        return "peak_budget"
+    if options.memory_budget is not None and options.memory_budget.nbytes is not None:
+        return "memory_budget"
+    return None
+
+
 def _step_limits(options: BackendOptions) -> str:
     """The whole-step limits among ``options``, as a user wrote them ('' if none)."""
     said = []
@@ -1022,9 +1033,13 @@ def _after_step(calls: List[CompiledGraph]) -> None:
     sig = _signature(calls)
     if sig in STEP.planned:
         return
-    if calls is STEP.last and STEP.record_kind() == "mixed":
-        return  # a new graph among settled ones: STEP.settle has the next step recorded whole, and planned
     opts = calls[0].options
+    if calls is STEP.last and STEP.record_kind() == "mixed" and step_limit_given(opts) is None:
+        # a new graph among settled ones: STEP.settle has the next step recorded whole, and planned
+        # there. A byte limit is planned now, on an estimate without what the record lacks (outputs
+        # freed before their own call's backward): over, not under. It went over one step more:
+        # planned only when the step after had been recorded whole.
+        return
     if any(g.options.key() != opts.key() for g in calls):
         # graphs of other models or options: not one step's to plan; said once where any asked for a
         # whole-step limit, which is then not held (it was silent: the model's peak_budget, the loss
@@ -1057,11 +1072,24 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
         plan_step(calls, fraction=opts.step_peak.fraction, saved_limit=saved_limit)
         return
     over = any(g.over for g in calls)
-    if limit is not None and step_peak([g.cost for g in calls], *_released(calls), _sharding(calls)).peak > limit:
+    estimated = step_peak([g.cost for g in calls], *_released(calls), _sharding(calls)).peak
+    if limit is not None and estimated > limit:
         over = True
-    if saved_limit is not None and sum(g.plan.total_bytes for g in calls) > saved_limit:
+    saved = sum(g.plan.total_bytes for g in calls)
+    if saved_limit is not None and saved > saved_limit:
         over = True
     if over:
+        # said: its graphs were each planned at their first call, before the step was known (a graph
+        # called again, graphs compiled before later ones), and the step went over (it was silent
+        # where no graph had been planned over what the calls before it left)
+        log.warning("remat_fx: the step just run (%d calls of %d compiled graphs) went over its %s (estimated %s, "
+                    "saving %s): its graphs were planned one by one as they were first called, before the step "
+                    "was known; it is planned as a whole now, and the limit holds from the next step",
+                    len(calls), len(set(calls)),
+                    " and ".join(w for w in (limit is not None and f"peak_budget {fmt_bytes(limit)}",
+                                             saved_limit is not None and f"memory_budget {fmt_bytes(saved_limit)}")
+                                 if w),
+                    fmt_bytes(estimated), fmt_bytes(saved))
         plan_step(calls, limit=limit, saved_limit=saved_limit)
 
 

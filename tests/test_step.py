@@ -559,6 +559,79 @@ def test_a_graph_of_dynamic_shapes_without_symbolic_inputs_to_lower_from_keeps_i
     assert any(g.version > 1 for g in graphs if not g._dynamic())  # the others planned again as the step
 
 
+def test_a_step_over_its_byte_limit_at_its_first_run_says_so_and_holds_it_from_the_next(caplog):
+    """A step that calls one graph twice (a siamese step) is planned at the graph's first call, before
+    the step is known: its first run goes over a byte peak_budget. That is said once the step has run
+    (it was silent: no graph had been planned over what the calls before it left), and the next run
+    holds the limit."""
+    import logging
+
+    torch.manual_seed(0)
+    block = _ns["Block"](32)
+    a, b = torch.randn(8, 32, 32), torch.randn(8, 32, 32)
+    run = torch.compile(block, backend="remat", options={"lower": "eager"})
+
+    def step():
+        block.zero_grad(set_to_none=True)
+        (run(a) * run(b)).mean().backward()
+
+    step()
+    unbudgeted = remat.step_report().peak.peak
+    torch._dynamo.reset()
+    STEP.reset()
+    limit = int(unbudgeted * 0.8)
+    run = torch.compile(block, backend="remat", options={"lower": "eager", "peak_budget": limit})
+    step()
+    assert remat.step_report().peak.peak > limit  # each call planned as if alone
+    with caplog.at_level(logging.WARNING, logger="remat_fx"):
+        step()  # the last step is looked at when the next one begins
+    assert re.search(r"the step just run \(2 calls of 1 compiled graphs\) went over its peak_budget .* \(estimated "
+                     r".*\): its graphs were planned one by one as they were first called, before the step was known; "
+                     r"it is planned as a whole now, and the limit holds from the next step", caplog.text), caplog.text
+    step()
+    assert remat.step_report().peak.peak <= limit
+    assert _measure(step, steps=1) <= limit * 1.02
+
+
+def test_a_new_graph_among_settled_ones_is_held_to_a_byte_limit_from_its_second_step():
+    """A step of settled graphs gains a new one (a compiled loss from the third step on): its first
+    step is over the limit (planned graph by graph), the second holds it (it was over again: planned
+    only once a step had been recorded whole, at the start of the third)."""
+    torch.manual_seed(0)
+    d, vocab = 32, 256
+    blocks = torch.nn.ModuleList(_ns["Block"](d) for _ in range(4))
+    embed = torch.nn.Embedding(vocab, d)
+    head = torch.nn.Sequential(torch.nn.Linear(d, vocab), torch.nn.GELU(), torch.nn.Linear(vocab, vocab))
+    params = [*blocks.parameters(), *embed.parameters(), *head.parameters()]
+    options = {"lower": "eager", "peak_budget": "550KiB"}
+    block = torch.compile(lambda x, b: b(x), backend="remat", options=options)
+    loss = torch.compile(lambda x, t: torch.nn.functional.cross_entropy(head(x).reshape(-1, vocab), t.reshape(-1)),
+                         backend="remat", options=options)
+    idx = torch.randint(0, vocab, (4, 16), generator=torch.Generator().manual_seed(0))
+
+    def blocks_only():
+        for p in params:
+            p.grad = None
+        x = embed(idx)
+        for b in blocks:
+            x = block(x, b)
+        x.square().mean().backward()
+
+    def with_loss():
+        for p in params:
+            p.grad = None
+        loss(block(embed(idx), blocks[0]), idx).backward()
+
+    blocks_only()
+    blocks_only()
+    blocks_only()  # settled
+    with_loss()  # the new graph: planned after the block's call, over the limit
+    with_loss()  # planned as a whole when this one began
+    report = remat.step_report()
+    assert report.peak.peak <= 550 * 1024, str(report)
+    assert _measure(with_loss, steps=1) <= 550 * 1024 * 1.02
+
+
 def test_byte_memory_budget_holds_for_the_whole_step():
     eager_model, eager_step = make()
     eager_step()
