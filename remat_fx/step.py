@@ -969,7 +969,18 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
         return graph
     per_graph, shrunk = graph_options(options)
     if not shrunk:
-        graph.compile(per_graph)
+        try:
+            graph.compile(per_graph)
+        except (PeakInfeasible, BudgetInfeasible) as e:
+            if step_limit_given(options) is None:
+                raise
+            # the least it names is this graph's, at its first call: a step that calls it again, or
+            # other graphs, needs more (it read as the step's least, and a limit raised to it failed
+            # again on the next step)
+            raise type(e)(
+                f"{e}\nThat is graph {graph.index} alone, compiled at its first call, before the rest of the "
+                f"step is known: a step that calls it again, or calls other graphs, needs more. A first step "
+                f"with a {step_limit_given(options)} of 0 shows the step's least in remat.step_report().") from None
         return graph
     try:
         graph.compile(per_graph)

@@ -1194,9 +1194,10 @@ def test_a_graph_the_calls_before_it_leave_too_little_is_planned_alone_and_the_s
 
 
 def test_a_limit_a_later_graph_cannot_meet_alone_says_the_step_needs_more():
-    """Under a peak_budget below what a later graph of the step needs even alone, the error names that
-    graph's least alone and says the step needs more (it read as the step's least: a limit raised to
-    it failed again on the next step, at the step's least)."""
+    """Under a peak_budget below what a graph of the step needs even alone (the first, or a later one
+    the calls before it leave too little), the error names that graph's least alone and says the step
+    needs more (it read as the step's least: a limit raised to it failed again on the next step, at
+    the step's least)."""
     torch.manual_seed(0)
     d, vocab = 32, 512
 
@@ -1227,6 +1228,11 @@ def test_a_limit_a_later_graph_cannot_meet_alone_says_the_step_needs_more():
         for _ in range(n):
             loss(model(x), y).backward()
 
+    # the first graph's own least, said as its own: the step calls other graphs too
+    with pytest.raises(PeakInfeasible, match=r"Raise peak_budget to at least [0-9,]+ bytes.*\nThat is graph \d+ alone, "
+                                             r"compiled at its first call, before the rest of the step is known: a "
+                                             r"step that calls it again, or calls other graphs, needs more."):
+        steps(1000, 1)
     steps(0, 3)
     least = remat.step_report().peak.peak  # the step's least estimated peak
     with pytest.raises(PeakInfeasible) as info:
