@@ -1082,14 +1082,10 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
     if limit is None and opts.step_peak is not None:
         plan_step(calls, fraction=opts.step_peak.fraction, saved_limit=saved_limit)
         return
-    over = any(g.over for g in calls)
     estimated = step_peak([g.cost for g in calls], *_released(calls), _sharding(calls)).peak
-    if limit is not None and estimated > limit:
-        over = True
     saved = sum(g.plan.total_bytes for g in calls)
-    if saved_limit is not None and saved > saved_limit:
-        over = True
-    if over:
+    exceeded = (limit is not None and estimated > limit) or (saved_limit is not None and saved > saved_limit)
+    if exceeded:
         # said: its graphs were each planned at their first call, before the step was known (a graph
         # called again, graphs compiled before later ones), and the step went over (it was silent
         # where no graph had been planned over what the calls before it left)
@@ -1101,6 +1097,7 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
                                              saved_limit is not None and f"memory_budget {fmt_bytes(saved_limit)}")
                                  if w),
                     fmt_bytes(estimated), fmt_bytes(saved))
+    if exceeded or any(g.over for g in calls):
         plan_step(calls, limit=limit, saved_limit=saved_limit)
 
 
