@@ -208,9 +208,10 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
     parameters the compiled graphs read, of every ``nn.Module`` among the arguments, and of
     ``params`` (a module or parameters: under FSDP2 the graphs read the unsharded parameters, and
     the sharded ones, which keep the gradients, are the model's); it ends with them None. Under a
-    process group, call it on every rank: the ranks decide on the largest of their measured peaks and end with the same plan
-    (remat_fx/ranks.py). ``cache``: keep and read the choice on disk (default: yes, unless
-    ``REMAT_FX_PLAN_CACHE=0`` and no ``cache_dir`` is given). See the module doc."""
+    process group, call it on every rank: the ranks decide on the largest of their measured peaks
+    and end with the same plan (remat_fx/ranks.py). ``cache``: keep and read the choice on disk
+    (default: yes, unless ``REMAT_FX_PLAN_CACHE=0`` and no ``cache_dir`` is given). See the module
+    doc."""
     limit = _limit(peak)
     if cache is not None and not isinstance(cache, bool):
         raise TypeError(f"remat_fx: remat.fit's cache must be True, False or None (the default: on unless "
