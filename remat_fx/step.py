@@ -261,6 +261,10 @@ class CompiledGraph:
         # what a later lowering starts from: the graph as Dynamo made it (Inductor's passes rewrite the
         # graph they are given) and the fake mode Dynamo traced it in
         self.pristine = _copy_dynamo_graph(gm)
+        # Dynamo made it with dynamic sizes (a placeholder of symbolic size): lowered again from its
+        # symbolic inputs (_fakes), or not at all (relower)
+        held = [n.meta.get("example_value") for n in self.pristine.graph.find_nodes(op="placeholder")]
+        self.dynamic = any(_symbolic(v) or isinstance(v, torch.SymInt) for v in held)
         context = TracingContext.try_get()
         self.fake_mode = context.fake_mode if context is not None else None
         # the global state AOTAutograd traces under (Dynamo guards on it: the graph only runs under
@@ -370,15 +374,17 @@ class CompiledGraph:
         # lowered again from Dynamo's own fake inputs, whose sizes are its symbols: from fakes of the
         # first call's sizes it was specialised to them, and Dynamo's guards, which take any size, ran
         # it on others (a smaller last batch, then a full one: "shape '[160, 32]' is invalid")
-        held = [n.meta.get("example_value") for n in self.pristine.graph.find_nodes(op="placeholder")]
         tensors = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor)]
-        if len(held) == len(inputs) and any(_symbolic(held[i]) for i in tensors) and \
-                all(isinstance(held[i], FakeTensor) and held[i].fake_mode is held[tensors[0]].fake_mode
-                    for i in tensors):
-            self.fake_mode = held[tensors[0]].fake_mode  # theirs: the symbols are its shape environment's
-            return [held[i] if i in tensors else x for i, x in enumerate(inputs)]
-        return [self.fake_mode.from_tensor(x, static_shapes=True) if i in tensors else x
-                for i, x in enumerate(inputs)]
+        if self.dynamic and tensors:
+            held = [n.meta.get("example_value") for n in self.pristine.graph.find_nodes(op="placeholder")]
+            mode = getattr(held[tensors[0]], "fake_mode", None) if len(held) == len(inputs) else None
+            if mode is not None and any(_symbolic(held[i]) for i in tensors) and \
+                    all(isinstance(held[i], FakeTensor) and held[i].fake_mode is mode for i in tensors):
+                self.fake_mode = mode  # theirs: the symbols are its shape environment's
+                return [held[i] if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+                        for i, x in enumerate(inputs)]
+        return [self.fake_mode.from_tensor(x, static_shapes=True)
+                if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x for x in inputs]
 
     def relower(self, options: BackendOptions, aot: bool = True) -> None:
         """Lower again with other options (outside Dynamo: in the fake mode it traced with). A graph
@@ -417,12 +423,7 @@ class CompiledGraph:
     def _kept(self) -> bool:
         """A graph of dynamic shapes without Dynamo's symbolic inputs to be lowered again from: it keeps
         the lowering it has (relower), and its plan is its estimate under any options (estimate)."""
-        return self._dynamic() and not any(_symbolic(x) for x in self.example_inputs)
-
-    def _dynamic(self) -> bool:
-        """Whether Dynamo made this graph with dynamic sizes (a placeholder of symbolic size)."""
-        return any(_symbolic(n.meta.get("example_value")) or isinstance(n.meta.get("example_value"), torch.SymInt)
-                   for n in self.pristine.graph.find_nodes(op="placeholder"))
+        return self.dynamic and not any(_symbolic(x) for x in self.example_inputs)
 
     def estimate(self, options: BackendOptions) -> Plan:
         """The plan ``options`` would give, from the joint graph alone (no lowering)."""
@@ -977,10 +978,10 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
             # the least it names is this graph's, at its first call: a step that calls it again, or
             # other graphs, needs more (it read as the step's least, and a limit raised to it failed
             # again on the next step)
-            raise type(e)(
-                f"{e}\nThat is graph {graph.index} alone, compiled at its first call, before the rest of the "
-                f"step is known: a step that calls it again, or calls other graphs, needs more. A first step "
-                f"with a {step_limit_given(options)} of 0 shows the step's least in remat.step_report().") from None
+            raise _noted(e, f"That is graph {graph.index} alone, compiled at its first call, before the rest of "
+                            f"the step is known: a step that calls it again, or calls other graphs, needs more. A "
+                            f"first step with a {step_limit_given(options)} of 0 shows the step's least in "
+                            f"remat.step_report().") from None
         return graph
     try:
         graph.compile(per_graph)
@@ -1000,14 +1001,19 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
             # step's: a limit raised to it failed again on the next step)
             before = [g for g in STEP.current() if g.plan is not None]
             held = sum(g.cost.saved + g.cost.held for g in before)
-            raise type(e)(
-                f"{e}\nThat is graph {graph.index} of this step alone, planned without the "
-                f"{len(before)} call(s) before it in the step, which hold {fmt_bytes(held)} through it (saved for "
-                f"their backward, and outputs): the whole step needs more. A first step with a "
-                f"{'peak_budget' if isinstance(e, PeakInfeasible) else 'memory_budget'} of 0 shows the step's "
-                f"least in remat.step_report().") from None
+            raise _noted(e, f"That is graph {graph.index} of this step alone, planned without the {len(before)} "
+                            f"call(s) before it in the step, which hold {fmt_bytes(held)} through it (saved for their "
+                            f"backward, and outputs): the whole step needs more. A first step with a "
+                            f"{'peak_budget' if isinstance(e, PeakInfeasible) else 'memory_budget'} of 0 shows the "
+                            f"step's least in remat.step_report().") from None
         graph.over = True
     return graph
+
+
+def _noted(error: Exception, note: str) -> Exception:
+    """``error`` again, of its type (a RematError: its message is its one argument), with ``note`` on a
+    line of its own after its message."""
+    return type(error)(f"{error}\n{note}")
 
 
 def _signature(calls: Sequence[CompiledGraph]) -> tuple:

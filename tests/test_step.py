@@ -522,7 +522,7 @@ def test_a_graph_of_dynamic_shapes_whose_new_lowering_needs_a_guard_keeps_its_lo
         graphs = _over_batch_sizes()
     # the dynamic graphs kept their first lowering
     assert any(g.version == 1 and g.fake_mode.shape_env.counter["ignored_backward_guard"] for g in graphs
-               if g._dynamic())
+               if g.dynamic)
 
 
 def test_a_graph_of_dynamic_shapes_without_symbolic_inputs_to_lower_from_keeps_its_lowering(monkeypatch):
@@ -536,10 +536,10 @@ def test_a_graph_of_dynamic_shapes_without_symbolic_inputs_to_lower_from_keeps_i
     with pytest.warns(UserWarning, match=r"graph \d+ has dynamic shapes, and remat cannot lower it again from its "
                                          r"symbolic inputs .* it keeps the lowering it had"):
         graphs = _over_batch_sizes()
-    dynamic = [g for g in graphs if g._dynamic()]
+    dynamic = [g for g in graphs if g.dynamic]
     assert dynamic and all(g.version == 1 for g in dynamic)  # kept
     assert all(g.estimate(g.active) is g.plan for g in dynamic)  # and the step's estimate counts it
-    assert any(g.version > 1 for g in graphs if not g._dynamic())  # the others planned again as the step
+    assert any(g.version > 1 for g in graphs if not g.dynamic)  # the others planned again as the step
 
 
 def test_a_step_over_its_byte_limit_at_its_first_run_says_so_and_holds_it_from_the_next(caplog):
