@@ -44,7 +44,9 @@ class _CheckpointLayer(torch.nn.Module):
         return torch_checkpoint.checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
 
 
-def build(args, checkpoint=False):
+def build(args, checkpoint=False, device=None):
+    """(model, loss function, batch); ``device``: where the model is made and the batch put (default:
+    the CPU; on CUDA it is initialised there: seconds, not minutes, at benchmarks/gpu.py's 8 x 2048)."""
     import transformers
 
     cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
@@ -52,13 +54,15 @@ def build(args, checkpoint=False):
                                    num_key_value_heads=getattr(args, "heads", 4),
                                    vocab_size=args.vocab, max_position_embeddings=args.seq, use_cache=False)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    with torch.device(device or "cpu"):
+        model = transformers.LlamaForCausalLM(cfg)
     model.train()
     if checkpoint:
         layers = model.model.layers
         for i, layer in enumerate(layers):
             layers[i] = _CheckpointLayer(layer)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(
+        device or "cpu")
 
     def loss(ids):
         return model(ids, labels=ids).loss

@@ -4,8 +4,17 @@ Hugging Face Llama (benchmarks/gpu.py's model by default), without lowering anyt
     python benchmarks/planning.py [--budgets 0.1,0.05,0] [--monotone default[,1,grid]]
                                   [--layers 8] [--hidden 128] [--intermediate 352] [--heads 1] [--vocab 1000]
                                   [--seq 256] [--batch 4] [--lower inductor|eager] [--repeat 1] [--out FILE]
+                                  [--device cpu|cuda] [--autocast auto|bf16|none]
 
-The model's joint graph is captured once, as a compile under ``--lower`` gives it to remat's
+On a GPU, the joint graph of benchmarks/gpu.py's Llama (as its first step plans it: on CUDA, under
+bf16 autocast), planned here on the host's CPU as the compile plans it (benchmarks/gpu_check.sh
+runs it):
+
+    python benchmarks/planning.py --device cuda --layers 8 --hidden 2048 --intermediate 5632 --heads 16 \
+        --vocab 32000 --seq 2048 --batch 4 --budgets 0.1,0
+
+The model's joint graph is captured once (on ``--device``, under bf16 autocast where ``--autocast``
+says so: by default on CUDA only, as benchmarks/gpu.py runs it), as a compile under ``--lower`` gives it to remat's
 partition (under Inductor, after Inductor's own graph passes; remat_fx/pareto.py ``_capture``); each
 variant then runs remat's partition on it again with its options, as the compile does, with the plan
 cache off, and nothing is lowered. (Until 2026-12-01 the graph was captured under the eager
@@ -153,7 +162,15 @@ def main(argv=None) -> str:
     p.add_argument("--repeat", type=int, default=1, help="plan each variant this many times, keep the fastest")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: PyTorch's default)")
     p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cpu", help="where the model runs while its joint graph is captured")
+    p.add_argument("--autocast", default="auto", choices=("auto", "bf16", "none"),
+                   help="bf16 autocast around the captured forward (auto: on CUDA only, as benchmarks/gpu.py)")
     args = p.parse_args(argv)
+    device = torch.device(args.device)
+    bf16 = args.autocast == "bf16" or (args.autocast == "auto" and device.type == "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"benchmarks/planning.py: --device {args.device}, but torch {torch.__version__} sees no CUDA "
+                         "device here; leave --device out to capture on the CPU")
     specs = [b for b in args.budgets.split(",") if b]
     modes = args.monotone.split(",")
     for monotone in modes:  # every variant checked before the compile that captures the graph
@@ -161,8 +178,10 @@ def main(argv=None) -> str:
             parse_options(variant_options(spec, monotone, args.lower))
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, loss, ids = build(args)
-    graphs = _capture(loss, (ids,), {"lower": args.lower})  # the joint graph the compile plans under that lowering
+    model, loss, ids = build(args, device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        # the joint graph the compile plans under that lowering
+        graphs = _capture(loss, (ids,), {"lower": args.lower})
     nodes = sum(len(gm.graph.nodes) for gm, _, _ in graphs)
     timers = Timers()
     rows = []
@@ -177,7 +196,8 @@ def main(argv=None) -> str:
                 print(rows[-1], flush=True)
     text = (f"{args.layers}-layer Llama (hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} head(s), "
             f"vocab {args.vocab}, batch {args.batch} x {args.seq}), {len(graphs)} joint graph(s) of {nodes} nodes, "
-            f"lower={args.lower}, torch {torch.__version__}\n\n" + HEAD + "\n" + "\n".join(rows) + "\n")
+            f"lower={args.lower}, {device.type}{', bf16 autocast' if bf16 else ''}, torch {torch.__version__}\n\n"
+            + HEAD + "\n" + "\n".join(rows) + "\n")
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text)

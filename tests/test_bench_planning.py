@@ -18,13 +18,15 @@ ARGS = ["--layers", "2", "--hidden", "32", "--intermediate", "64", "--heads", "2
         "--batch", "2", "--lower", "eager", "--threads", "0"]
 
 
-def _compiled_plan(options):
+def _compiled_plan(options, bf16=False):
     import argparse
 
     shape = argparse.Namespace(layers=2, hidden=32, intermediate=64, heads=2, vocab=128, seq=16, batch=2)
     torch._dynamo.reset()
     model, loss, ids = build(shape)
-    torch.compile(loss, backend="remat", options=options)(ids).backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = torch.compile(loss, backend="remat", options=options)(ids)
+    out.backward()
     plan = remat.last_plan()
     torch._dynamo.reset()
     return plan.total_bytes, plan.peak.step, plan.rerun.reruns if plan.rerun is not None else 0
@@ -70,6 +72,27 @@ def test_planning_benchmark_replans_the_compiles_plan_and_splits_its_time(tmp_pa
         assert (cells[8], cells[9], int(cells[10])) == (fmt_bytes(saved), fmt_bytes(peak), reruns), (label, cells)
 
 
+def _rows(text):
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 11 and re.fullmatch(r"[\d.]+", cells[1]):
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_planning_benchmark_captures_under_bf16_autocast_as_the_gpu_benchmark_runs():
+    """--autocast bf16 (on CUDA by default, as benchmarks/gpu.py runs its models): the joint graph
+    with the casts autocast puts in, planned as a compile under autocast plans it."""
+    text = planning.main(ARGS + ["--budgets", "0.5", "--autocast", "bf16"])
+    assert "lower=eager, cpu, bf16 autocast, torch" in text, text
+    cells = _rows(text)["0.5"]
+    saved, peak, reruns = _compiled_plan({"memory_budget": 0.5, "lower": "eager"}, bf16=True)
+    assert (cells[8], cells[9], int(cells[10])) == (fmt_bytes(saved), fmt_bytes(peak), reruns), cells
+    float32 = _compiled_plan({"memory_budget": 0.5, "lower": "eager"})
+    assert (saved, peak) != float32[:2], "the same plan as in float32: the autocast did not reach the graph"
+
+
 def test_planning_benchmark_refuses_a_peak_budget_before_it_compiles(monkeypatch):
     """A peak_budget is the whole step's (remat_fx/step.py): one joint graph's partition alone would
     plan another limit. Refused at once, before the compile that captures the graph, as is an
@@ -79,3 +102,6 @@ def test_planning_benchmark_refuses_a_peak_budget_before_it_compiles(monkeypatch
         planning.main(ARGS + ["--budgets", "0.1,peak=24MiB"])
     with pytest.raises(OptionError, match="monotone"):  # the options' own errors, before the compile too
         planning.main(ARGS + ["--budgets", "0.1", "--monotone", "default,grd"])
+    if not torch.cuda.is_available():  # a device the host lacks: said before the model is built
+        with pytest.raises(SystemExit, match="--device cuda, but torch .* sees no CUDA device here"):
+            planning.main(ARGS + ["--budgets", "0.1", "--device", "cuda"])
