@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
 from remat_fx.memory_budget import fmt_bytes
-from remat_fx.naming import META_KIND, META_NAME
+from remat_fx.naming import META_KIND, META_NAME, META_POLICY
 from remat_fx.passes.capture import JointGraph, op_name, storage_base
 from remat_fx.passes.cost import concrete, flops
 from remat_fx.passes.peak import PeakEstimate
@@ -416,10 +416,14 @@ def _reason(tag: Optional[Tag], node: fx.Node) -> str:
 
 def _owner(joint: JointGraph, node: fx.Node, tag: Optional[Tag]) -> Optional[str]:
     """The remat op an activation is kept for, as eager mode's tape files it: a SAVE op's own
-    nodes (its outputs and what its backward reads from inside it) under that op."""
+    nodes (its outputs and what its backward reads from inside it) under that op, and a SAVE
+    ``remat.annotate`` block's under the block's name (a budgeted block's, which eager mode only
+    names, under none)."""
     if tag is None or not tag.saves or tag.reason.startswith("output of checkpoint region"):
         return None  # region outputs belong to their consumers (eager: the next region's INPUT)
     custom = joint.custom(node)
-    if custom.get(META_NAME) is not None and custom.get(META_KIND) in ("op", "native"):
+    kind = custom.get(META_KIND)
+    if custom.get(META_NAME) is not None and (kind in ("op", "native") or
+                                              (kind == "annotate" and custom.get(META_POLICY) in ("SAVE", "OFFLOAD"))):
         return custom[META_NAME]
     return None
