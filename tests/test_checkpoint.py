@@ -119,6 +119,19 @@ def test_unknown_option_lists_valid_ones():
         remat.checkpoint(use_reentrant=True)
 
 
+@pytest.mark.parametrize("options, error, message", [
+    ({"preserve_rng_state": "no"}, TypeError, r"^remat.checkpoint: preserve_rng_state must be True or False, got 'no'$"),
+    ({"debug": 3}, TypeError, r"^remat.checkpoint: debug must be True or False, got 3$"),
+    ({"save": 123}, ValueError, r"option 'save' must be a glob string or a list of them, got 123"),
+    ({"offloader": object()}, TypeError, r"an offloader needs pack\(tensor\) and unpack\(packed\) methods"),
+])
+def test_bad_option_values_are_refused_where_the_region_is_stated(options, error, message):
+    """When ``remat.checkpoint(...)`` is written, not when it is bound to a function or run: a string
+    ``preserve_rng_state='no'`` read as true (the RNG state was replayed), ``debug=3`` passed on."""
+    with pytest.raises(error, match=message):
+        remat.checkpoint("r", **options)
+
+
 @pytest.mark.parametrize("value, message", [
     (namedtuple("Pair", "a b"), r"output is a namedtuple \(Pair\)"),
     (OrderedDict, r"output is a subclass of dict \(OrderedDict\)"),

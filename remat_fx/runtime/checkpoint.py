@@ -25,7 +25,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from remat_fx.naming import META_REGION, META_REGION_GLOBS, NameGlobs, callable_name, tracing_annotation
 from remat_fx.policy import CheckpointPolicy
 from remat_fx.runtime.handle import RematHandle
-from remat_fx.runtime.offload import resolve_offloader
+from remat_fx.runtime.offload import check_offloader, resolve_offloader
 from remat_fx.runtime.torch_compat import (current_graph_task, fire_recompute_trigger, inside_compiled_frame,
                                            new_recompute_trigger, tree_flatten, tree_leaves, tree_unflatten)
 from remat_fx.runtime.tape import _ACTIVE, FORWARD, Tape, active_tape
@@ -66,6 +66,13 @@ def checkpoint(name=None, /, **options):
     if options.get("determinism_check", "default") not in ("default", "none"):
         raise ValueError("remat.checkpoint: determinism_check must be 'default' or 'none', "
                          f"got {options['determinism_check']!r}")
+    for flag in ("preserve_rng_state", "debug"):  # a string such as 'no' would read as true
+        if flag in options and not isinstance(options[flag], bool):
+            raise TypeError(f"remat.checkpoint: {flag} must be True or False, got {options[flag]!r}")
+    # checked here, where the user states them, not when the options are bound to a function or run
+    NameGlobs(options.get("save"), options.get("offload"), options.get("recompute"))
+    if options.get("offloader") is not None:
+        check_offloader(options["offloader"])
 
     def bind(fn):
         if not callable(fn):

@@ -78,7 +78,7 @@ _DEFAULT = CPUOffloader()
 _CURRENT: ContextVar[Optional[Any]] = ContextVar("remat_fx_offloader", default=None)
 
 
-def _check(offloader) -> Any:
+def check_offloader(offloader) -> Any:
     if not (callable(getattr(offloader, "pack", None)) and callable(getattr(offloader, "unpack", None))):
         raise TypeError(
             f"remat_fx: an offloader needs pack(tensor) and unpack(packed) methods, got {offloader!r}"
@@ -89,7 +89,7 @@ def _check(offloader) -> Any:
 @contextlib.contextmanager
 def use_offloader(offloader):
     """Use ``offloader`` for OFFLOAD ops in checkpoint regions entered inside this block."""
-    token = _CURRENT.set(_check(offloader))
+    token = _CURRENT.set(check_offloader(offloader))
     try:
         yield offloader
     finally:
@@ -99,6 +99,6 @@ def use_offloader(offloader):
 def resolve_offloader(option) -> Any:
     """Region option > innermost ``use_offloader`` > the default CPUOffloader."""
     if option is not None:
-        return _check(option)
+        return check_offloader(option)
     current = _CURRENT.get()
     return current if current is not None else _DEFAULT
