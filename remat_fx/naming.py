@@ -6,8 +6,9 @@ inside one checkpoint region. Globs use :mod:`fnmatch` syntax (``*.qkv``,
 """
 from __future__ import annotations
 
+import difflib
 import fnmatch
-from typing import Iterable, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 _KINDS = ("SAVE", "OFFLOAD", "RECOMPUTE")
 
@@ -98,3 +99,27 @@ def op_annotation(name: str, policy, kind: str):
     """The annotation a named op (kind "op", "native" or "annotate") puts on its traced nodes."""
     return tracing_annotation({META_NAME: name, META_POLICY: policy.name if policy is not None else None,
                                META_KIND: kind})
+
+
+def close_globs(pattern: str, candidates: List[str]) -> List[Tuple[str, List[str]]]:
+    """Up to 3 globs close to ``pattern`` that do match (for the warning on a glob that selects
+    nothing, in both modes): each candidate name written in the pattern's shape (its dotted parts
+    aligned from the left, and from the right, with the pattern's wildcard parts kept), with the
+    candidates each matches."""
+    parts = pattern.split(".")
+    wild = [any(c in part for c in "*?[") for part in parts]
+    forms: Dict[str, None] = {}
+    for name in candidates:
+        words = name.split(".")
+        if len(words) < len(parts):
+            continue
+        for aligned in (words[:len(parts)], words[len(words) - len(parts):]):
+            form = ".".join(p if w else a for p, w, a in zip(parts, wild, aligned))
+            if form != pattern:
+                forms[form] = None
+    found = []
+    for form in difflib.get_close_matches(pattern, list(forms), n=10, cutoff=0.7):
+        hits = [n for n in candidates if fnmatch.fnmatchcase(n, form)]
+        if hits:
+            found.append((form, hits))
+    return found[:3]

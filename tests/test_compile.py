@@ -190,6 +190,25 @@ def test_annotate_names_native_blocks(mode, policy):
                           if policy is P.SAVE else [])
 
 
+def test_a_bad_policy_in_a_region_under_compile_is_its_own_error_not_a_graph_breaks_warning():
+    """Dynamo runs a region whose body raises eagerly (a graph break); the body raises again there.
+    The user sees the library's error, without the fallback's warning that blamed a graph break
+    inside the region (it came first)."""
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def body(x):
+        return remat.native_op(torch.mm, "mm", policy="keep")(x, w).tanh()
+
+    torch._dynamo.reset()
+    remat.runtime.checkpoint._WARNED.clear()
+    f = torch.compile(lambda x: remat.checkpoint("bad_policy")(body)(x), backend="remat", options={"lower": "eager"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match=r"remat.native_op\('mm'\): policy 'keep' is not one of"):
+            f(torch.randn(4, 16))
+    assert not [str(w.message) for w in caught if "could not trace" in str(w.message)]
+
+
 def test_graph_break_in_region_falls_back_to_the_tape():
     w = (0.1 * torch.randn(16, 16)).requires_grad_()
     x = torch.randn(8, 16, requires_grad=True)
@@ -210,6 +229,8 @@ def test_graph_break_in_region_falls_back_to_the_tape():
         out = f(x)
     msgs = [str(w.message) for w in caught if "remat_fx" in str(w.message)]
     assert len(msgs) == 1 and "could not trace checkpoint region 'blk'" in msgs[0]
+    # said where the region is called: this file, not remat_fx's or torch's
+    assert [w.filename for w in caught if "remat_fx" in str(w.message)] == [__file__]
     # the tape holds what eager mode holds: the SAVE op's backward input x is a leaf (PARAM),
     # and its output, read by the RECOMPUTE exp, is saved for it
     assert remat.memory_report(out).bytes_by_owner() == {"mm": 8 * 16 * 4}

@@ -108,3 +108,30 @@ def test_module_paths_start_below_the_root_module(path, want):
     node = Graph().placeholder("x")
     node.meta["nn_module_stack"] = {"root": (path.split(".")[0], torch.nn.Module), "leaf": (path, torch.nn.Module)}
     assert module_path(node) == want and module_paths(node) == (want,)
+
+
+def test_a_region_glob_that_selects_no_named_op_warns_on_the_eager_tape_too():
+    """A region's globs in eager mode select the ops named by remat.op, native_op or annotate: a typo
+    warned under torch.compile and was silent on the eager tape, and a module-path glob (which only
+    compiler mode's <module path>.<op> names reach) saved a module's output in one mode and nothing,
+    silently, in the other. Each warns once a process; a glob that matches stays silent."""
+    P = remat.CheckpointPolicy
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def named(x):
+        return remat.native_op(torch.mm, "layers.0.qkv", policy=P.RECOMPUTE)(x, w).tanh()
+
+    x = torch.randn(8, 16)
+    with pytest.warns(UserWarning, match=r"^remat_fx: region 'eager_typo' save glob '\*\.qvk' matched none of the "
+                                         r"ops its forward named; did you mean '\*\.qkv'\? On the eager tape"):
+        remat.checkpoint("eager_typo", save=["*.qvk"])(named)(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remat.checkpoint("eager_typo", save=["*.qvk"])(named)(x).sum().backward()  # once a process
+        out = remat.checkpoint("eager_match", save=["*.qkv"])(named)(x)  # it matches: kept, no warning
+    assert remat.memory_report(out).bytes_by_owner() == {"layers.0.qkv": 8 * 16 * 4}
+    out.sum().backward()
+    block = Block()
+    with pytest.warns(UserWarning, match=r"region 'eager_module' save glob '\*\.qkv' matched none of the ops its "
+                                         r"forward named; it ran no named op\. .*exist only under torch.compile"):
+        remat.checkpoint("eager_module", save=["*.qkv"])(block)(torch.randn(4, 16)).sum().backward()

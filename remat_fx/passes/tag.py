@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
-from remat_fx.naming import META_NAME, META_POLICY, META_REGION, META_REGION_GLOBS, NameGlobs
+from remat_fx.naming import META_NAME, META_POLICY, META_REGION, META_REGION_GLOBS, NameGlobs, close_globs
 from remat_fx.options import BackendOptions
 from remat_fx.passes.capture import JointGraph, is_multi_output, is_random, module_outputs
 
@@ -181,7 +181,7 @@ def _warn_unmatched(joint: JointGraph, nodes: Iterable[fx.Node], unmatched: List
 def unmatched_message(pattern: str, what: str, names: List[str], paths: List[str]) -> str:
     """The warning for a glob that selects nothing: the glob, up to 3 close globs that do match (or
     close names), and how names are formed."""
-    suggestions = _close_globs(pattern, names + paths)
+    suggestions = close_globs(pattern, names + paths)
     if suggestions:
         hint = "; did you mean " + ", ".join(
             f"'{g}'" + ("" if hits == [g] else f" ({', '.join(hits[:2])}{', ...' if len(hits) > 2 else ''})")
@@ -205,29 +205,6 @@ _LAYOUT_OPS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "
 def _computing(names: List[str]) -> List[str]:
     """Names of ops that compute (``layers.0.qkv.addmm``) before those that only reshape (``.view``)."""
     return sorted(names, key=lambda n: n.rsplit(".", 1)[-1] in _LAYOUT_OPS)
-
-
-def _close_globs(pattern: str, candidates: List[str]) -> List[Tuple[str, List[str]]]:
-    """Up to 3 globs close to ``pattern`` that do match: each candidate name written in the
-    pattern's shape (its dotted parts aligned from the left, and from the right, with the pattern's
-    wildcard parts kept), with the candidates each matches."""
-    parts = pattern.split(".")
-    wild = [any(c in part for c in "*?[") for part in parts]
-    forms: Dict[str, None] = {}
-    for name in candidates:
-        words = name.split(".")
-        if len(words) < len(parts):
-            continue
-        for aligned in (words[:len(parts)], words[len(words) - len(parts):]):
-            form = ".".join(p if w else a for p, w, a in zip(parts, wild, aligned))
-            if form != pattern:
-                forms[form] = None
-    found = []
-    for form in difflib.get_close_matches(pattern, list(forms), n=10, cutoff=0.7):
-        hits = [n for n in candidates if fnmatch.fnmatchcase(n, form)]
-        if hits:
-            found.append((form, hits))
-    return found[:3]
 
 
 def _is_layout(node: fx.Node) -> bool:

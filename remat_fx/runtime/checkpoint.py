@@ -16,13 +16,16 @@ before FSDP's would recompute with the parameters still sharded (DTensors).
 """
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import warnings
 import weakref
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from remat_fx.naming import META_REGION, META_REGION_GLOBS, NameGlobs, callable_name, tracing_annotation
+from remat_fx.naming import META_REGION, META_REGION_GLOBS, NameGlobs, callable_name, close_globs, \
+    tracing_annotation
 from remat_fx.policy import CheckpointPolicy
 from remat_fx.runtime.handle import RematHandle
 from remat_fx.runtime.offload import check_offloader, resolve_offloader
@@ -109,8 +112,13 @@ class Checkpointed:
                 out = torch_checkpoint.checkpoint(_TracedBody(self), kwargs, *args, use_reentrant=False,
                                                   **options)
             return check_output(out, self.name)
-        if inside_compiled_frame():
-            _warn_fallback(self)  # Dynamo gave up on this call and runs it eagerly
+        if inside_compiled_frame():  # Dynamo gave up on this call and runs it eagerly
+            # said once the region has run: where its body raises, its own error says why
+            with _fallback_said(self):
+                return self._eager(args, kwargs)
+        return self._eager(args, kwargs)
+
+    def _eager(self, args, kwargs):
         if not torch.is_grad_enabled():
             return check_output(self.fn(*args, **kwargs), self.name)
         parent = active_tape()
@@ -129,6 +137,8 @@ class Checkpointed:
         out = torch_checkpoint.checkpoint(
             _RegionBody(self.fn, tape), kwargs, *args, use_reentrant=False, **self.torch_options
         )
+        if self.globs:
+            _check_globs(self, tape)
         trigger, tape.trigger = tape.trigger, None
         inputs = {id(t) for t in in_tensors}
         # an input returned unchanged is not the region's: no hook or tape on it
@@ -164,11 +174,12 @@ class _TracedBody:
         if torch.compiler.is_compiling():
             return self.owner.fn(*args, **kwargs)
         owner = self.owner
-        if self.tape is None:
-            _warn_fallback(owner)
+        first = self.tape is None
+        if first:
             self.tape = Tape(owner.name, owner.globs or None, resolve_offloader(owner.offloader),
                              owner.torch_options["preserve_rng_state"])
-        out = _RegionBody(owner.fn, self.tape)(kwargs, *args)
+        with _fallback_said(owner) if first else contextlib.nullcontext():
+            out = _RegionBody(owner.fn, self.tape)(kwargs, *args)
         self.tape.trigger = None  # PyTorch's checkpoint recomputes this region lazily here
         return out
 
@@ -176,7 +187,41 @@ class _TracedBody:
 _WARNED = set()
 
 
-def _warn_fallback(region: "Checkpointed") -> None:
+@contextlib.contextmanager
+def _fallback_said(region: "Checkpointed"):
+    """The fallback's warning, once the region's body has run: where the body raises (a bad policy
+    or option, an error of the user's code), that error says why, not a warning of a graph break."""
+    yield
+    _warn_fallback(region, stacklevel=5)  # past this generator and contextlib's exit: the region's caller
+_GLOBS_SEEN = set()  # (region name, kind, glob) found matching, or warned about: checked once a process
+
+
+def _check_globs(region: "Checkpointed", tape: Tape) -> None:
+    """One warning per region glob that selects none of the named ops the region's forward ran (as
+    compiler mode warns on its graph's nodes, passes/tag.py), once a process."""
+    names = None
+    for kind in ("save", "offload", "recompute"):
+        for pattern in getattr(region.globs, kind):
+            key = (region.name, kind, pattern)
+            if key in _GLOBS_SEEN:
+                continue
+            if names is None:
+                names = [rec.name for rec in tape.records if not rec.name.startswith("region:")]
+            _GLOBS_SEEN.add(key)
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                continue
+            suggestions = close_globs(pattern, names)
+            hint = ("; did you mean " + ", ".join(f"'{g}'" for g, _ in suggestions) + "?") if suggestions else \
+                (f"; its named ops: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}." if names else
+                 "; it ran no named op.")
+            warnings.warn(
+                f"remat_fx: region '{region.name}' {kind} glob '{pattern}' matched none of the ops its forward "
+                f"named{hint} On the eager tape a region's globs select the ops named by remat.op, native_op or "
+                "annotate; the <module path>.<op> names of other ops (and a module's output, *.qkv) exist only "
+                "under torch.compile(backend='remat').", UserWarning, stacklevel=3)
+
+
+def _warn_fallback(region: "Checkpointed", stacklevel: int = 3) -> None:
     key = (region.name, getattr(region.fn, "__code__", None) or type(region.fn))
     if key in _WARNED:
         return
@@ -187,7 +232,7 @@ def _warn_fallback(region: "Checkpointed") -> None:
         "inside it), so the region runs on the eager named tape instead: the same names and policies are "
         "honoured, without compiler partitioning. Make the region traceable (see torch._dynamo.explain) "
         "to compile it.",
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
 
 
