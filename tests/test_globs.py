@@ -123,8 +123,9 @@ def test_a_region_glob_that_selects_no_named_op_warns_on_the_eager_tape_too():
 
     x = torch.randn(8, 16)
     with pytest.warns(UserWarning, match=r"^remat_fx: region 'eager_typo' save glob '\*\.qvk' matched none of the "
-                                         r"ops its forward named; did you mean '\*\.qkv'\? On the eager tape"):
+                                         r"ops its forward named; did you mean '\*\.qkv'\? On the eager tape") as said:
         remat.checkpoint("eager_typo", save=["*.qvk"])(named)(x).sum().backward()
+    assert [w.filename for w in said if "eager_typo" in str(w.message)] == [__file__]  # said where the region runs
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         remat.checkpoint("eager_typo", save=["*.qvk"])(named)(x).sum().backward()  # once a process

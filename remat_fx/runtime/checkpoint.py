@@ -193,6 +193,8 @@ def _fallback_said(region: "Checkpointed"):
     or option, an error of the user's code), that error says why, not a warning of a graph break."""
     yield
     _warn_fallback(region, stacklevel=5)  # past this generator and contextlib's exit: the region's caller
+
+
 _GLOBS_SEEN = set()  # (region name, kind, glob) found matching, or warned about: checked once a process
 
 
@@ -218,7 +220,7 @@ def _check_globs(region: "Checkpointed", tape: Tape) -> None:
                 f"remat_fx: region '{region.name}' {kind} glob '{pattern}' matched none of the ops its forward "
                 f"named{hint} On the eager tape a region's globs select the ops named by remat.op, native_op or "
                 "annotate; the <module path>.<op> names of other ops (and a module's output, *.qkv) exist only "
-                "under torch.compile(backend='remat').", UserWarning, stacklevel=3)
+                "under torch.compile(backend='remat').", UserWarning, stacklevel=4)  # the region's caller
 
 
 def _warn_fallback(region: "Checkpointed", stacklevel: int = 3) -> None:
