@@ -120,7 +120,8 @@ def test_unknown_option_lists_valid_ones():
 
 
 @pytest.mark.parametrize("options, error, message", [
-    ({"preserve_rng_state": "no"}, TypeError, r"^remat.checkpoint: preserve_rng_state must be True or False, got 'no'$"),
+    ({"preserve_rng_state": "no"}, TypeError,
+     r"^remat.checkpoint: preserve_rng_state must be True or False, got 'no'$"),
     ({"debug": 3}, TypeError, r"^remat.checkpoint: debug must be True or False, got 3$"),
     ({"save": 123}, ValueError, r"option 'save' must be a glob string or a list of them, got 123"),
     ({"offloader": object()}, TypeError, r"an offloader needs pack\(tensor\) and unpack\(packed\) methods"),
