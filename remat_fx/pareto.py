@@ -41,7 +41,9 @@ class ParetoPoint:
     recompute_flops: int
     total_flops: int  # forward + backward (with the recompute), per step
     est_recompute_ms: float
-    est_peak: int  # the static estimate of the step's activation peak (bytes), summed over graphs
+    # the static estimate of the step's activation peak (bytes); with several graphs the sum of their
+    # estimated peaks, as if each peaked at once (over the step's: remat.step_report() after a compile)
+    est_peak: int
     solver: str
     solve_ms: float
     # the plan of each compiled graph at this budget (remat.last_plan()'s kind: str(plan) lists what is
@@ -64,6 +66,12 @@ def pareto(model_or_fn, example_inputs: Sequence, budgets: Sequence = DEFAULT_BU
     options = dict(options or {})
     options.pop("memory_budget", None)
     graphs = _capture(model_or_fn, tuple(example_inputs), options)
+    sizes = [b for b in budgets if parse_budget(b).nbytes is not None]
+    if sizes and len(graphs) > 1:
+        raise ValueError(f"remat_fx.pareto: a byte budget ({sizes[0]!r}) is the whole step's: a compile divides it "
+                         f"among the step's {len(graphs)} graphs (remat_fx/step.py), while pareto plans each graph "
+                         "alone and would give each the whole of it. Give fractions of the feasible range here, or "
+                         "compile at that size and read remat.step_report().")
     points: List[ParetoPoint] = []
     bar = _Progress(len(budgets) * len(graphs), enabled=progress)
     for b in budgets:

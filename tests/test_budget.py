@@ -359,6 +359,10 @@ def test_pareto_sums_the_graphs_of_a_forward_with_a_graph_break(lower):
         assert len(point.plans) == 2 and sum(p.total_bytes for p in point.plans) == point.achieved
         assert sum(p.peak.step for p in point.plans) == point.est_peak
     assert partition._SINKS == []
+    if lower == "eager":  # a byte budget is the whole step's in a compile: not given whole to each graph here
+        with pytest.raises(ValueError, match=r"^remat_fx.pareto: a byte budget \('10KiB'\) is the whole step's: a "
+                                             r"compile divides it among the step's 2 graphs"):
+            remat.pareto(model, (x,), [0.5, "10KiB"], options={"lower": lower}, progress=False)
 
 
 # -- parsing ----------------------------------------------------------------------------------
