@@ -975,6 +975,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
         except (PeakInfeasible, BudgetInfeasible) as e:
             if step_limit_given(options) is None:
                 raise
+            if isinstance(e, PeakInfeasible) and _fits_once_released(graph, per_graph):
+                return graph
             # the least it names is this graph's, at its first call: a step that calls it again, or
             # other graphs, needs more (it read as the step's least, and a limit raised to it failed
             # again on the next step)
@@ -1008,6 +1010,34 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
                             f"step's least in remat.step_report().") from None
         graph.over = True
     return graph
+
+
+def _fits_once_released(graph: CompiledGraph, options: BackendOptions) -> bool:
+    """Whether a graph that cannot meet its byte ``peak_budget`` alone, at its first call, may meet it
+    in its step: its plan of the least estimated peak is lowered instead, and kept (the step is
+    planned as a whole once it has run, ``graph.over``) where that peak less the outputs it holds is
+    within the limit. The estimate holds its outputs until its backward; a step whose code drops
+    them first (a loss reduced from the model's output, whose backward frees it before the graph's)
+    peaks lower, as its record shows once it has run (``released_bytes``). Else the graph is
+    lowered back as it was and False."""
+    graph.gm = _copy_dynamo_graph(graph.pristine)  # as Dynamo made it: the failed lowering may have begun
+    least = dataclasses.replace(options, peak_budget=None, peak_fraction=0.0)
+    try:
+        graph.compile(least)
+    except (PeakInfeasible, BudgetInfeasible):
+        fits = False
+    else:
+        fits = graph.plan.peak.step - graph.plan.peak.held <= options.peak_budget
+    if fits:
+        graph.over = True
+        log.warning("remat_fx: graph %d alone cannot meet peak_budget %s at its first call (its least estimated "
+                    "peak is %s, holding its outputs, %s, through its backward); it is lowered at that least peak "
+                    "for now, and the step is planned as a whole once it has run: the limit holds from the next "
+                    "step where the step frees those outputs first", graph.index, fmt_bytes(options.peak_budget),
+                    fmt_bytes(graph.plan.peak.step), fmt_bytes(graph.plan.peak.held))
+        return True
+    graph.gm = _copy_dynamo_graph(graph.pristine)
+    return False
 
 
 def _noted(error: Exception, note: str) -> Exception:
