@@ -1125,8 +1125,8 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
         # said: its graphs were each planned at their first call, before the step was known (a graph
         # called again, graphs compiled before later ones), and the step went over (it was silent
         # where no graph had been planned over what the calls before it left)
-        log.warning("remat_fx: the step just run (%d calls of %d compiled graphs) went over its %s (estimated %s, "
-                    "saving %s): its graphs were planned one by one as they were first called, before the step "
+        log.warning("remat_fx: the step just run (%d calls of %d compiled graphs) went over its %s (estimated step "
+                    "peak %s, saved for backward %s): its graphs were planned one by one as they were first called, before the step "
                     "was known; it is planned as a whole now, and the limit holds from the next step",
                     len(calls), len(set(calls)),
                     " and ".join(w for w in (limit is not None and f"peak_budget {fmt_bytes(limit)}",

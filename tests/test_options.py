@@ -1,6 +1,8 @@
 """Options are checked where the user states them: remat.compile(...) and remat.config.<name> = ...
 raise at once, unknown names suggest the nearest valid one, and the plain torch.compile path shows
 remat's message first (not Dynamo's BackendCompilerFailed wrapper)."""
+import re
+
 import pytest
 import torch
 
@@ -73,6 +75,8 @@ def test_a_budget_no_plan_meets_reaches_the_user_as_remats_error():
     assert str(info.value).startswith("remat_fx: memory_budget=1 B asks for at most 1 B"), str(info.value)
     assert "Raise the budget to at least 128 bytes" in str(info.value)
     assert "BackendCompilerFailed" not in str(info.value)
+    # the input that must stay, as the plan names it (it read "primals_3: ... (graph input)")
+    assert re.search(r"\n    input [\w\[\]]+ \(primals_\d+\): 128 B \(graph input\)\n", str(info.value)), str(info.value)
 
 
 def test_config_checks_each_assignment():

@@ -37,6 +37,7 @@ from remat_fx.naming import META_BUDGET, META_BUDGET_REGION
 from remat_fx.options import RematError
 from remat_fx.passes.capture import JointGraph, is_multi_output, storage_base
 from remat_fx.passes.cost import concrete
+from remat_fx.passes.plan import input_label
 
 
 @dataclass
@@ -689,7 +690,8 @@ def _infeasible(what: str, target: int, minimum_bytes: int, saved: Set[str], pro
     biggest = sorted(storages, key=lambda b: -problem.storage_bytes[b])[:5]
 
     def label(n):
-        name = joint.names.get(n, n.name)
+        # a graph input as the plan names it (``input x``), not as AOTAutograd does (``primals_3``)
+        name = input_label(joint, n) if n.op == "placeholder" else joint.names.get(n, n.name)
         return name if name == n.name else f"{name} ({n.name})"
 
     lines = []

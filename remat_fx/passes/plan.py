@@ -314,7 +314,7 @@ def input_names(names: Optional[List[str]]):
         _INPUT_NAMES.reset(token)
 
 
-def _input_label(joint: JointGraph, node: fx.Node) -> str:
+def input_label(joint: JointGraph, node: fx.Node) -> str:
     placeholders = [n.name for n in joint.gm.graph.nodes if n.op == "placeholder"]
     desc = getattr(node.meta.get("desc"), "idx", None)
     index = desc if isinstance(desc, int) else placeholders.index(node.name) if node.name in placeholders else None
@@ -327,7 +327,7 @@ def _input_label(joint: JointGraph, node: fx.Node) -> str:
 def _label(joint: JointGraph, by_name: Dict[str, fx.Node], base: fx.Node) -> str:
     """The name the user knows a stored tensor by (``base``: a node of the forward graph)."""
     if base.op == "placeholder":
-        return _input_label(joint, base)
+        return input_label(joint, base)
     node = by_name.get(base.name)
     if node is not None:
         return joint.names[node]
@@ -340,7 +340,7 @@ def _label(joint: JointGraph, by_name: Dict[str, fx.Node], base: fx.Node) -> str
             continue
         seen.add(source)
         if source.op == "placeholder":
-            return f"{op_name(base)}({_input_label(joint, source)})"
+            return f"{op_name(base)}({input_label(joint, source)})"
         if source.name in by_name:
             return f"{op_name(base)}({joint.names[by_name[source.name]]})"
         queue.extend(source.all_input_nodes)
