@@ -1126,8 +1126,8 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
         # called again, graphs compiled before later ones), and the step went over (it was silent
         # where no graph had been planned over what the calls before it left)
         log.warning("remat_fx: the step just run (%d calls of %d compiled graphs) went over its %s (estimated step "
-                    "peak %s, saved for backward %s): its graphs were planned one by one as they were first called, before the step "
-                    "was known; it is planned as a whole now, and the limit holds from the next step",
+                    "peak %s, saved for backward %s): its graphs were planned one by one as they were first called, "
+                    "before the step was known; it is planned as a whole now, and the limit holds from the next step",
                     len(calls), len(set(calls)),
                     " and ".join(w for w in (limit is not None and f"peak_budget {fmt_bytes(limit)}",
                                              saved_limit is not None and f"memory_budget {fmt_bytes(saved_limit)}")

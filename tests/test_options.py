@@ -76,7 +76,8 @@ def test_a_budget_no_plan_meets_reaches_the_user_as_remats_error():
     assert "Raise the budget to at least 128 bytes" in str(info.value)
     assert "BackendCompilerFailed" not in str(info.value)
     # the input that must stay, as the plan names it (it read "primals_3: ... (graph input)")
-    assert re.search(r"\n    input [\w\[\]]+ \(primals_\d+\): 128 B \(graph input\)\n", str(info.value)), str(info.value)
+    text = str(info.value)
+    assert re.search(r"\n    input [\w\[\]]+ \(primals_\d+\): 128 B \(graph input\)\n", text), text
 
 
 def test_config_checks_each_assignment():
