@@ -975,7 +975,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
         except (PeakInfeasible, BudgetInfeasible) as e:
             if step_limit_given(options) is None:
                 raise
-            if isinstance(e, PeakInfeasible) and _fits_once_released(graph, per_graph):
+            if isinstance(e, PeakInfeasible) and per_graph.peak_budget is not None and \
+                    _fits_once_released(graph, per_graph):
                 return graph
             # the least it names is this graph's, at its first call: a step that calls it again, or
             # other graphs, needs more (it read as the step's least, and a limit raised to it failed
