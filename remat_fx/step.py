@@ -1075,8 +1075,9 @@ def _after_step(calls: List[CompiledGraph]) -> None:
     """Once a step of several calls has run: plan it again as a whole if it has a whole-step limit
     (a byte peak_budget or memory_budget) it is estimated to exceed, or a fraction peak_budget to
     resolve on the whole step's range (its first graphs were planned before the later ones were
-    known)."""
-    if len(calls) < 2 or any(g.plan is None for g in calls):
+    known); a step of one call where its graph was lowered at its least peak at its first call for a
+    byte limit it missed alone (``_fits_once_released``): planned now, on the step's record."""
+    if (len(calls) < 2 and not any(g.over for g in calls)) or any(g.plan is None for g in calls):
         return
     sig = _signature(calls)
     if sig in STEP.planned:

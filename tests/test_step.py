@@ -1289,6 +1289,23 @@ def test_a_limit_the_graph_alone_misses_by_the_outputs_its_step_frees_is_met_fro
     # measured: the step's eager ops (the squared output's mean, the loss and its gradient: 20 bytes
     # here) are outside the estimate (docs/differences.md)
     assert _measure(step) <= least + 64
+    # a loop keeping the output through the backward frees nothing early: the step, planned as a
+    # whole once it has run, cannot meet the limit, and says so at the next step (it ran over it,
+    # silently, at every step)
+    torch._dynamo.reset()
+    STEP.reset()
+    run = torch.compile(model, backend="remat", options={"lower": "eager", "peak_budget": least})
+
+    def keeps_its_output():
+        model.zero_grad(set_to_none=True)
+        out = run(x)
+        out.square().mean().backward()
+        return out
+
+    keeps_its_output()
+    with pytest.raises(PeakInfeasible, match=r"for the whole step \(1 calls of 1 compiled graphs\) is below every "
+                                             r"plan found"):
+        keeps_its_output()
     torch._dynamo.reset()
     STEP.reset()
     under = torch.compile(model, backend="remat", options={"lower": "eager", "peak_budget": least - 4096})
