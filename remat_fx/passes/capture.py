@@ -17,8 +17,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx as fx
 
-from remat_fx.naming import META_KIND, META_NAME, META_POLICY, META_REGION, duplicate_name_message
-from remat_fx.options import RematError
+from remat_fx.naming import META_KIND, META_NAME, META_POLICY
 
 
 def decompositions():
@@ -120,33 +119,12 @@ def read_joint(gm: fx.GraphModule, num_fwd_outputs: int) -> JointGraph:
             seen.update(u for u in node.users if u.target is operator.getitem)
     _name_handle_ops(gm)
     counts: Counter = Counter()
-    policies: Dict[tuple, str] = {}  # (region call, op name) -> the policy written at the call
     for node in gm.graph.nodes:
         if node.op == "call_function" and node in seen:
             joint.forward.add(node)
-            custom = joint.custom(node)
-            joint.names[node] = _name(node, custom, counts)
+            joint.names[node] = _name(node, joint.custom(node), counts)
             joint.paths[node] = module_paths(node)
-            _check_unique(node, custom, policies)
     return joint
-
-
-def _check_unique(node: fx.Node, custom: dict, policies: Dict[tuple, str]) -> None:
-    """An op name used twice in one checkpoint region's call, as the eager tape refuses it: where the
-    nodes under one name of one region call (its ``ac_graph_id``) carry two policies, they are two
-    calls (one call writes one). Two calls with the same policy are not told apart here (docs/
-    differences.md): the plan files both under the name."""
-    name, region = custom.get(META_NAME), custom.get(META_REGION)
-    if name is None or region is None or custom.get(META_KIND) not in ("native", "op"):
-        return
-    call = node.meta.get("ac_graph_id")
-    if call is None:  # not known to be inside one region call: not checked
-        return
-    key = (call, name)
-    policy = custom.get(META_POLICY)
-    if policies.setdefault(key, policy) != policy:
-        raise RematError(duplicate_name_message(name, region) +
-                         f" (Under torch.compile: found as calls with the policies {policies[key]} and {policy}.)")
 
 
 def _name_handle_ops(gm: fx.GraphModule) -> None:
