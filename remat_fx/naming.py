@@ -101,12 +101,6 @@ def op_annotation(name: str, policy, kind: str):
                                META_KIND: kind})
 
 
-def duplicate_name_message(name: str, region: str) -> str:
-    """The error for an op name used twice in one checkpoint region (both modes)."""
-    return (f"remat_fx: op name '{name}' is used twice in checkpoint region '{region}'. Names must be unique within "
-            "a region: pass a distinct name to each call (e.g. include the layer index).")
-
-
 def close_globs(pattern: str, candidates: List[str]) -> List[Tuple[str, List[str]]]:
     """Up to 3 globs close to ``pattern`` that do match (for the warning on a glob that selects
     nothing, in both modes): each candidate name written in the pattern's shape (its dotted parts

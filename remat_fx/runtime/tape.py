@@ -16,7 +16,7 @@ from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
 
-from remat_fx.naming import NameGlobs, duplicate_name_message
+from remat_fx.naming import NameGlobs
 from remat_fx.policy import CheckpointPolicy, resolve_policy
 from remat_fx.runtime import torch_compat as compat
 
@@ -224,7 +224,11 @@ class Tape:
         policy = resolve_policy(name, written, self.globs)
         if self.phase == FORWARD:
             if name in self.by_name:
-                raise RuntimeError(duplicate_name_message(name, self.name))
+                raise RuntimeError(
+                    f"remat_fx: op name '{name}' is used twice in checkpoint region '{self.name}'. "
+                    "Names must be unique within a region: pass a distinct name to each call "
+                    "(e.g. include the layer index)."
+                )
             rec = Record(name, policy, kind)
             rec.packs_before = self.frame.saved_count() if self.frame is not None else None
             self.records.append(rec)
