@@ -110,11 +110,15 @@ def test_module_paths_start_below_the_root_module(path, want):
     assert module_path(node) == want and module_paths(node) == (want,)
 
 
-def test_a_region_glob_that_selects_no_named_op_warns_on_the_eager_tape_too():
+def test_a_region_glob_that_selects_no_named_op_warns_on_the_eager_tape_too(monkeypatch):
     """A region's globs in eager mode select the ops named by remat.op, native_op or annotate: a typo
     warned under torch.compile and was silent on the eager tape, and a module-path glob (which only
     compiler mode's <module path>.<op> names reach) saved a module's output in one mode and nothing,
     silently, in the other. Each warns once a process; a glob that matches stays silent."""
+    from remat_fx.runtime import checkpoint as region
+
+    monkeypatch.setattr(region, "_GLOBS_SEEN", set())  # once a process: this test's own process state
+    monkeypatch.setattr(region, "_GLOBS_PENDING", {})
     P = remat.CheckpointPolicy
     w = torch.randn(16, 16, requires_grad=True)
 
@@ -132,6 +136,16 @@ def test_a_region_glob_that_selects_no_named_op_warns_on_the_eager_tape_too():
         out = remat.checkpoint("eager_match", save=["*.qkv"])(named)(x)  # it matches: kept, no warning
     assert remat.memory_report(out).bytes_by_owner() == {"layers.0.qkv": 8 * 16 * 4}
     out.sum().backward()
+    # judged on every call of the forward, as compiler mode judges a region's calls in its graph: a
+    # glob naming layer 1's op, on a region name both layers share, is no miss at layer 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h = x
+        for i in range(2):
+            def layer(h, i=i):
+                return remat.native_op(torch.mm, f"layers.{i}.mm", policy=P.RECOMPUTE)(h, w).tanh()
+            h = remat.checkpoint("eager_shared", save=["layers.1.*"])(layer)(h)
+        h.sum().backward()
     block = Block()
     with pytest.warns(UserWarning, match=r"region 'eager_module' save glob '\*\.qkv' matched none of the ops its "
                                          r"forward named; it ran no named op\. .*exist only under torch.compile"):

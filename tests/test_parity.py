@@ -52,19 +52,20 @@ def test_gpt_policy_mixes_compiled_match_eager_gradients(policy):
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, g, rtol=1e-5, atol=1e-5)
 
 
-def test_a_save_annotate_block_owns_what_it_keeps_in_both_modes():
+@pytest.mark.parametrize("how", ["its policy", "its region's glob"])
+def test_a_save_annotate_block_owns_what_it_keeps_in_both_modes(how):
     """``bytes_by_owner`` files a SAVE ``remat.annotate`` block's activations under the block's name
     in the compiled plan, as the eager tape does (it left them out: ``{}`` against ``{'blk.act': 512}``)."""
     P = remat.CheckpointPolicy
     w = torch.randn(16, 16, requires_grad=True)
 
     def body(x):
-        with remat.annotate("blk.act", policy=P.SAVE):
+        with remat.annotate("blk.act", policy=P.SAVE if how == "its policy" else None):
             h = torch.tanh(x)
         return h @ w
 
     def f(x):
-        return remat.checkpoint("r")(body)(x)
+        return remat.checkpoint("r", save=[] if how == "its policy" else ["blk.*"])(body)(x)
 
     x = torch.randn(8, 16)
     assert remat.memory_report(f(x)).bytes_by_owner() == {"blk.act": 8 * 16 * 4}

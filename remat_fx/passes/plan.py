@@ -423,7 +423,15 @@ def _owner(joint: JointGraph, node: fx.Node, tag: Optional[Tag]) -> Optional[str
         return None  # region outputs belong to their consumers (eager: the next region's INPUT)
     custom = joint.custom(node)
     kind = custom.get(META_KIND)
-    if custom.get(META_NAME) is not None and (kind in ("op", "native") or
-                                              (kind == "annotate" and custom.get(META_POLICY) in ("SAVE", "OFFLOAD"))):
+    if custom.get(META_NAME) is None:
+        return None
+    if kind in ("op", "native"):
+        return custom[META_NAME]
+    # a block the user said to keep: by its policy, or by its region's glob (as the tape resolves it)
+    if kind == "annotate" and (custom.get(META_POLICY) in ("SAVE", "OFFLOAD") or
+                               _REGION_KEEPS.match(tag.reason) is not None):
         return custom[META_NAME]
     return None
+
+
+_REGION_KEEPS = re.compile(r"region '.*' (save|offload) glob")  # passes/tag.py's reason for a region glob's tag

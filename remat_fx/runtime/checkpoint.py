@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import os
+import sys
 import warnings
 import weakref
 
@@ -138,7 +140,7 @@ class Checkpointed:
             _RegionBody(self.fn, tape), kwargs, *args, use_reentrant=False, **self.torch_options
         )
         if self.globs:
-            _check_globs(self, tape)
+            _note_globs(self, tape)
         trigger, tape.trigger = tape.trigger, None
         inputs = {id(t) for t in in_tensors}
         # an input returned unchanged is not the region's: no hook or tape on it
@@ -195,12 +197,19 @@ def _fallback_said(region: "Checkpointed"):
     _warn_fallback(region, stacklevel=5)  # past this generator and contextlib's exit: the region's caller
 
 
-_GLOBS_SEEN = set()  # (region name, kind, glob) found matching, or warned about: checked once a process
+_GLOBS_SEEN = set()  # (region name, kind, glob) reported on: checked once a process
+# (region name, kind, glob) -> [matched by any call so far, the names those calls ran]: judged when the
+# first backward begins, on every call of the forward (as compiler mode judges a glob on every call of
+# its region in the graph: a glob naming layer 1's ops, on a region name every layer shares, is not
+# a miss at layer 0)
+_GLOBS_PENDING: dict = {}
+_LIBRARY = tuple(os.path.dirname(path) + os.sep
+                 for path in (os.path.dirname(os.path.abspath(__file__)), torch.__file__))  # remat_fx's, torch's
 
 
-def _check_globs(region: "Checkpointed", tape: Tape) -> None:
-    """One warning per region glob that selects none of the named ops the region's forward ran (as
-    compiler mode warns on its graph's nodes, passes/tag.py), once a process."""
+def _note_globs(region: "Checkpointed", tape: Tape) -> None:
+    """What the region's globs selected among the ops its forward named (``_report_globs`` says
+    which selected none)."""
     names = None
     for kind in ("save", "offload", "recompute"):
         for pattern in getattr(region.globs, kind):
@@ -209,18 +218,36 @@ def _check_globs(region: "Checkpointed", tape: Tape) -> None:
                 continue
             if names is None:
                 names = [rec.name for rec in tape.records if not rec.name.startswith("region:")]
-            _GLOBS_SEEN.add(key)
-            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                continue
-            suggestions = close_globs(pattern, names)
-            hint = ("; did you mean " + ", ".join(f"'{g}'" for g, _ in suggestions) + "?") if suggestions else \
-                (f"; its named ops: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}." if names else
-                 "; it ran no named op.")
-            warnings.warn(
-                f"remat_fx: region '{region.name}' {kind} glob '{pattern}' matched none of the ops its forward "
-                f"named{hint} On the eager tape a region's globs select the ops named by remat.op, native_op or "
-                "annotate; the <module path>.<op> names of other ops (and a module's output, *.qkv) exist only "
-                "under torch.compile(backend='remat').", UserWarning, stacklevel=4)  # the region's caller
+            entry = _GLOBS_PENDING.setdefault(key, [False, {}])
+            entry[0] = entry[0] or any(fnmatch.fnmatchcase(n, pattern) for n in names)
+            if not entry[0] and len(entry[1]) < 256:
+                entry[1].update(dict.fromkeys(names))
+
+
+def _report_globs() -> None:
+    """One warning per region glob that selected none of the named ops of the forward before this
+    backward, once a process, said at the user's line (the backward's call)."""
+    if not _GLOBS_PENDING:
+        return
+    pending = list(_GLOBS_PENDING.items())
+    _GLOBS_PENDING.clear()
+    frame, level = sys._getframe(0), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY):
+        frame, level = frame.f_back, level + 1
+    for (name, kind, pattern), (matched, seen) in pending:
+        _GLOBS_SEEN.add((name, kind, pattern))
+        if matched:
+            continue
+        names = list(seen)
+        suggestions = close_globs(pattern, names)
+        hint = ("; did you mean " + ", ".join(f"'{g}'" for g, _ in suggestions) + "?") if suggestions else \
+            (f"; its named ops: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}." if names else
+             "; it ran no named op.")
+        warnings.warn(
+            f"remat_fx: region '{name}' {kind} glob '{pattern}' matched none of the ops its forward named{hint} "
+            "On the eager tape a region's globs select the ops named by remat.op, native_op or annotate; the "
+            "<module path>.<op> names of other ops (and a module's output, *.qkv) exist only under "
+            "torch.compile(backend='remat').", UserWarning, stacklevel=level)
 
 
 def _warn_fallback(region: "Checkpointed", stacklevel: int = 3) -> None:
@@ -283,6 +310,7 @@ class _StartRecompute:
         if task == self.task:
             return  # another output node of the region, in the same backward
         self.task = task
+        _report_globs()  # the forward has run whole: its regions' globs are judged on all their calls
         self.tape.prefetch()
         fire_recompute_trigger(self.trigger)  # PyTorch's checkpoint recomputes the region now
         if not self.tape.keep_graph:
