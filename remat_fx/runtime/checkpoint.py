@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import inspect
 import os
 import sys
 import warnings
@@ -203,8 +204,8 @@ _GLOBS_SEEN = set()  # (region name, kind, glob) reported on: checked once a pro
 # its region in the graph: a glob naming layer 1's ops, on a region name every layer shares, is not
 # a miss at layer 0)
 _GLOBS_PENDING: dict = {}
-_LIBRARY = tuple(os.path.dirname(path) + os.sep
-                 for path in (os.path.dirname(os.path.abspath(__file__)), torch.__file__))  # remat_fx's, torch's
+_LIBRARY = tuple(os.path.dirname(path) + os.sep  # remat_fx's folder, torch's
+                 for path in (os.path.dirname(os.path.abspath(__file__)), inspect.getfile(torch)))
 
 
 def _note_globs(region: "Checkpointed", tape: Tape) -> None:
