@@ -23,11 +23,12 @@ from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
 from remat_fx.memory_budget import fmt_bytes
 from remat_fx.naming import META_KIND, META_NAME, META_POLICY
+from remat_fx.policy import CheckpointPolicy, resolve_policy
 from remat_fx.passes.capture import JointGraph, op_name, storage_base
 from remat_fx.passes.cost import concrete, flops
 from remat_fx.passes.peak import PeakEstimate
 from remat_fx.passes.rerun import RerunReport
-from remat_fx.passes.tag import Tag
+from remat_fx.passes.tag import Tag, region_globs
 
 
 @dataclass(frozen=True)
@@ -427,11 +428,10 @@ def _owner(joint: JointGraph, node: fx.Node, tag: Optional[Tag]) -> Optional[str
         return None
     if kind in ("op", "native"):
         return custom[META_NAME]
-    # a block the user said to keep: by its policy, or by its region's glob (as the tape resolves it)
-    if kind == "annotate" and (custom.get(META_POLICY) in ("SAVE", "OFFLOAD") or
-                               _REGION_KEEPS.match(tag.reason) is not None):
-        return custom[META_NAME]
+    if kind == "annotate":  # a block the user said to keep, by its policy or its region's glob, as the tape resolves it
+        written = custom.get(META_POLICY)
+        policy = resolve_policy(custom[META_NAME], None if written is None else CheckpointPolicy[written],
+                                region_globs(custom))
+        if policy.skips_recompute:
+            return custom[META_NAME]
     return None
-
-
-_REGION_KEEPS = re.compile(r"region '.*' (save|offload) glob")  # passes/tag.py's reason for a region glob's tag

@@ -48,7 +48,8 @@ class Tag:
 _MUST = {"SAVE": TorchPolicy.MUST_SAVE, "OFFLOAD": TorchPolicy.MUST_SAVE, "RECOMPUTE": TorchPolicy.MUST_RECOMPUTE}
 
 
-def _region_globs(custom: dict) -> Optional[NameGlobs]:
+def region_globs(custom: dict) -> Optional[NameGlobs]:
+    """The globs of the checkpoint region a node was traced in (its ``custom`` meta), or None."""
     raw = custom.get(META_REGION_GLOBS)
     return _globs_of(tuple(map(tuple, raw))) if raw and any(raw) else None
 
@@ -136,7 +137,7 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
     regions: Dict[tuple, List[fx.Node]] = {}
     for node in joint.forward:
         custom = joint.custom(node)
-        if _region_globs(custom) is not None:
+        if region_globs(custom) is not None:
             raw = tuple(map(tuple, custom[META_REGION_GLOBS]))
             regions.setdefault((custom.get(META_REGION), raw), []).append(node)
     for (region, raw), inside in regions.items():

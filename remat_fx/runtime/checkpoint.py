@@ -76,14 +76,14 @@ def checkpoint(name=None, /, **options):
         if flag in options and not isinstance(options[flag], bool):
             raise TypeError(f"remat.checkpoint: {flag} must be True or False, got {options[flag]!r}")
     # checked here, where the user states them, not when the options are bound to a function or run
-    NameGlobs(options.get("save"), options.get("offload"), options.get("recompute"))
+    globs = NameGlobs(options.get("save"), options.get("offload"), options.get("recompute"))
     if options.get("offloader") is not None:
         check_offloader(options["offloader"])
 
     def bind(fn):
         if not callable(fn):
             raise TypeError(f"remat.checkpoint(...) must be applied to a callable, got {type(fn).__name__}")
-        return Checkpointed(fn, name, options)
+        return Checkpointed(fn, name, options, globs)
 
     return bind
 
@@ -91,10 +91,10 @@ def checkpoint(name=None, /, **options):
 class Checkpointed:
     """A function bound to checkpoint options; call it with the function's arguments."""
 
-    def __init__(self, fn, name, options):
+    def __init__(self, fn, name, options, globs: NameGlobs):
         self.fn = fn
         self.name = name if name is not None else callable_name(fn)
-        self.globs = NameGlobs(options.get("save"), options.get("offload"), options.get("recompute"))
+        self.globs = globs  # made from the options' save/offload/recompute when remat.checkpoint was written
         self.offloader = options.get("offloader")
         self.torch_options = dict(
             preserve_rng_state=options.get("preserve_rng_state", True),
@@ -195,7 +195,7 @@ def _fallback_said(region: "Checkpointed"):
     """The fallback's warning, once the region's body has run: where the body raises (a bad policy
     or option, an error of the user's code), that error says why, not a warning of a graph break."""
     yield
-    _warn_fallback(region, stacklevel=5)  # past this generator and contextlib's exit: the region's caller
+    _warn_fallback(region)
 
 
 _GLOBS_SEEN = set()  # (region name, kind, glob) reported on: checked once a process
@@ -232,9 +232,6 @@ def _report_globs() -> None:
         return
     pending = list(_GLOBS_PENDING.items())
     _GLOBS_PENDING.clear()
-    frame, level = sys._getframe(0), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY):
-        frame, level = frame.f_back, level + 1
     for (name, kind, pattern), (matched, seen) in pending:
         _GLOBS_SEEN.add((name, kind, pattern))
         if matched:
@@ -248,10 +245,20 @@ def _report_globs() -> None:
             f"remat_fx: region '{name}' {kind} glob '{pattern}' matched none of the ops its forward named{hint} "
             "On the eager tape a region's globs select the ops named by remat.op, native_op or annotate; the "
             "<module path>.<op> names of other ops (and a module's output, *.qkv) exist only under "
-            "torch.compile(backend='remat').", UserWarning, stacklevel=level)
+            "torch.compile(backend='remat').", UserWarning, stacklevel=_users_level())
 
 
-def _warn_fallback(region: "Checkpointed", stacklevel: int = 3) -> None:
+def _users_level() -> int:
+    """The ``stacklevel`` of the user's line for a warning said by the caller: the first frame outside
+    remat_fx, torch and contextlib (from a region's call, or from inside the backward its hook runs in)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(_LIBRARY) or
+                                 frame.f_code.co_filename == contextlib.__file__):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_fallback(region: "Checkpointed") -> None:
     key = (region.name, getattr(region.fn, "__code__", None) or type(region.fn))
     if key in _WARNED:
         return
@@ -262,7 +269,7 @@ def _warn_fallback(region: "Checkpointed", stacklevel: int = 3) -> None:
         "inside it), so the region runs on the eager named tape instead: the same names and policies are "
         "honoured, without compiler partitioning. Make the region traceable (see torch._dynamo.explain) "
         "to compile it.",
-        stacklevel=stacklevel,
+        stacklevel=_users_level(),
     )
 
 
