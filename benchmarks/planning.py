@@ -4,7 +4,7 @@ Hugging Face Llama (benchmarks/gpu.py's model by default), without lowering anyt
     python benchmarks/planning.py [--budgets 0.1,0.05,0] [--monotone default[,1,grid]]
                                   [--layers 8] [--hidden 128] [--intermediate 352] [--heads 1] [--vocab 1000]
                                   [--seq 256] [--batch 4] [--lower inductor|eager] [--repeat 1] [--out FILE]
-                                  [--device cpu|cuda] [--autocast auto|bf16|none]
+                                  [--device cpu|cuda] [--autocast auto|bf16|none] [--as-cuda]
 
 On a GPU, the joint graph of benchmarks/gpu.py's Llama (as its first step plans it: on CUDA, under
 bf16 autocast), planned here on the host's CPU as the compile plans it (benchmarks/gpu_check.sh
@@ -29,6 +29,15 @@ first-step figure is planning plus Dynamo's and Inductor's work (docs/benchmarks
   each program the search tries (``rerun._Program.simulate``),
 * ``estimate``: the step-peak estimates of candidate plans (``passes/peak.py estimate``),
 * ``other``: the rest (tags, the peak searches' bookkeeping, the schedule, the cost model).
+
+Without a GPU, ``--as-cuda`` plans the graph captured on the CPU as a CUDA compile would: every
+value of the joint graph becomes a fake CUDA tensor of the same shape, strides, dtype and storage
+bytes (``as_cuda``), so remat's CUDA rules (passes/peak.py: the incoming gradient held to the
+backward's end, ``writes_apart``, ``fused_back``, the embedding's gradient written in place) and
+the CUDA roofline of the cost model apply. The graph itself stays the CPU's (Inductor's CPU
+joint-graph passes, the CPU's attention op; bf16 autocast by default, as benchmarks/gpu.py runs
+its models, with the CPU's autocast policy): a stand-in for the planning of a GPU's graph, not
+that graph.
 
 Each figure is (calls, seconds), from a wrapper around the function, no profiler. With ``--repeat``
 each variant is planned that many times and the fastest planning is kept (the others' counts are the
@@ -107,6 +116,44 @@ def installed(timers: Timers):
         yield
 
 
+def as_cuda(graphs):
+    """The captured joint graphs with every value (node meta ``val``, the joint inputs) a fake CUDA
+    tensor in the graph's own fake mode: the same shape, strides, storage offset and dtype, and the
+    same storage bytes, values that shared a storage sharing one again (fake CUDA tensors need no GPU)."""
+    from torch._guards import detect_fake_mode
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    out = []
+    for gm, joint_inputs, kwargs in graphs:
+        mode = detect_fake_mode(joint_inputs)
+        bases, made = {}, {}
+
+        def convert(v):
+            if isinstance(v, (tuple, list)):
+                return type(v)(convert(x) for x in v)
+            if not isinstance(v, torch.Tensor) or v.device.type != "cpu":
+                return v
+            if id(v) not in made:
+                storage = v.untyped_storage()
+                key = StorageWeakRef(storage)
+                with mode:
+                    if key not in bases:
+                        bases[key] = torch.empty(int(storage.nbytes()), dtype=torch.uint8, device="cuda")
+                    base = bases[key]
+                    t = base.view(v.dtype)
+                    t = t.as_strided(v.shape, v.stride(), v.storage_offset())
+                    if v.requires_grad:
+                        t.requires_grad_(True)
+                made[id(v)] = (v, t)  # v kept: its id stays its own
+            return made[id(v)][1]
+
+        for node in gm.graph.nodes:
+            if "val" in node.meta:
+                node.meta["val"] = convert(node.meta["val"])
+        out.append((gm, convert(joint_inputs), kwargs))
+    return out
+
+
 def variant_options(spec: str, monotone: str, lower: str) -> dict:
     """``0.1`` -> memory_budget 0.1 (a fraction, or a size: ``7MiB``)."""
     if spec.startswith("peak"):
@@ -163,11 +210,16 @@ def main(argv=None) -> str:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: PyTorch's default)")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cpu", help="where the model runs while its joint graph is captured")
+    p.add_argument("--as-cuda", action="store_true",
+                   help="plan the graph captured on the CPU as on CUDA (fake CUDA tensors: CUDA's rules and roofline)")
     p.add_argument("--autocast", default="auto", choices=("auto", "bf16", "none"),
-                   help="bf16 autocast around the captured forward (auto: on CUDA only, as benchmarks/gpu.py)")
+                   help="bf16 autocast around the captured forward (auto: on CUDA and --as-cuda, as benchmarks/gpu.py)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    bf16 = args.autocast == "bf16" or (args.autocast == "auto" and device.type == "cuda")
+    bf16 = args.autocast == "bf16" or (args.autocast == "auto" and (device.type == "cuda" or args.as_cuda))
+    if args.as_cuda and device.type != "cpu":
+        raise SystemExit(f"benchmarks/planning.py: --as-cuda plans a graph captured on the CPU as on CUDA; with "
+                         f"--device {args.device} leave it out")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"benchmarks/planning.py: --device {args.device}, but torch {torch.__version__} sees no CUDA "
                          "device here; leave --device out to capture on the CPU")
@@ -182,6 +234,8 @@ def main(argv=None) -> str:
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         # the joint graph the compile plans under that lowering
         graphs = _capture(loss, (ids,), {"lower": args.lower})
+    if args.as_cuda:
+        graphs = as_cuda(graphs)
     nodes = sum(len(gm.graph.nodes) for gm, _, _ in graphs)
     timers = Timers()
     rows = []
@@ -196,7 +250,8 @@ def main(argv=None) -> str:
                 print(rows[-1], flush=True)
     text = (f"{args.layers}-layer Llama (hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} head(s), "
             f"vocab {args.vocab}, batch {args.batch} x {args.seq}), {len(graphs)} joint graph(s) of {nodes} nodes, "
-            f"lower={args.lower}, {device.type}{', bf16 autocast' if bf16 else ''}, torch {torch.__version__}\n\n"
+            f"lower={args.lower}, {device.type}{' planned as on CUDA' if args.as_cuda else ''}"
+            f"{', bf16 autocast' if bf16 else ''}, torch {torch.__version__}\n\n"
             + HEAD + "\n" + "\n".join(rows) + "\n")
     print("\n" + text)
     if args.out:

@@ -105,3 +105,52 @@ def test_planning_benchmark_refuses_a_peak_budget_before_it_compiles(monkeypatch
     if not torch.cuda.is_available():  # a device the host lacks: said before the model is built
         with pytest.raises(SystemExit, match="--device cuda, but torch .* sees no CUDA device here"):
             planning.main(ARGS + ["--budgets", "0.1", "--device", "cuda"])
+
+
+def test_as_cuda_gives_every_value_a_fake_cuda_twin_with_its_storage():
+    """--as-cuda (planning.as_cuda): the CPU-captured joint graph's values become fake CUDA tensors of
+    the same shape, strides, offset, dtype and storage bytes, views sharing their base's storage
+    again, so remat's CUDA rules and roofline plan it; the joint inputs likewise."""
+    import argparse
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from remat_fx.passes.cost import node_device
+    from remat_fx.passes.peak import node_facts, storage_bytes
+    from remat_fx.pareto import _capture
+
+    shape = argparse.Namespace(layers=1, hidden=32, intermediate=64, heads=2, vocab=128, seq=16, batch=2)
+    torch._dynamo.reset()
+    _, loss, ids = build(shape)
+    graphs = _capture(loss, (ids,), {"lower": "eager"})
+    gm = graphs[0][0]
+    nodes = [n for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    before = {n: (n.meta["val"], storage_bytes(n)) for n in nodes}
+    shared = [(a, b) for a in nodes for b in nodes if a is not b and a.op == "call_function"
+              and StorageWeakRef(a.meta["val"].untyped_storage()) == StorageWeakRef(b.meta["val"].untyped_storage())]
+    assert shared, "no two values share a storage in the captured graph"
+    assert node_device(gm.graph.nodes).type == "cpu" and node_facts(nodes[-1], {}).on_cpu
+
+    converted = planning.as_cuda(graphs)
+    assert converted[0][0] is gm
+    for n, (v, nbytes) in before.items():
+        t = n.meta["val"]
+        assert t.device.type == "cuda", n
+        assert (t.shape, t.stride(), t.storage_offset(), t.dtype, t.requires_grad) == \
+            (v.shape, v.stride(), v.storage_offset(), v.dtype, v.requires_grad), n
+        assert storage_bytes(n) == nbytes, n
+    for a, b in shared:
+        assert StorageWeakRef(a.meta["val"].untyped_storage()) == StorageWeakRef(b.meta["val"].untyped_storage())
+    assert all(x.device.type == "cuda" for x in converted[0][1] if isinstance(x, torch.Tensor))
+    assert node_device(gm.graph.nodes).type == "cuda" and not node_facts(nodes[-1], {}).on_cpu
+    torch._dynamo.reset()
+
+
+def test_planning_benchmark_plans_as_on_cuda_without_a_gpu():
+    """--as-cuda on this host: the graph captured on the CPU, planned under CUDA's rules (the table
+    says so); refused with --device cuda, where the graph is CUDA's already."""
+    text = planning.main(ARGS + ["--budgets", "0", "--as-cuda"])
+    assert "lower=eager, cpu planned as on CUDA, bf16 autocast, torch" in text, text
+    assert "0" in _rows(text)
+    with pytest.raises(SystemExit, match="--as-cuda plans a graph captured on the CPU as on CUDA"):
+        planning.main(ARGS + ["--budgets", "0", "--as-cuda", "--device", "cuda"])
