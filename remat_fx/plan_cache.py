@@ -42,7 +42,7 @@ _TAG_META = ("nn_module_stack", "custom", "recompute", "ac_graph_id")  # what pa
 # the search's notes on the chosen plan's budget report (passes/peak.py lower_peak, _envelope)
 REPORT_NOTES = ("budget", "target", "lowered_to", "lowered_for", "fastest_peak", "fastest_step_s", "held_under",
                 "held_by", "held_met", "held_levels")
-_FIELDS = {"budgets", "fastest_s", "cap", "quick", "alike", "least", "peak_budget", "report", "saved", "peak"}
+_FIELDS = {"budgets", "fastest_s", "cap", "quick", "alike", "peak_budget", "report", "saved", "peak"}
 
 
 def cache_root() -> pathlib.Path:
@@ -121,11 +121,11 @@ class Entry:
             return None  # unreadable or not an entry this code wrote: searched again and written anew
         return record
 
-    def store(self, budgets, fastest_s, cap, quick, alike, least, plan) -> None:
-        """Writes what the search chose: ``cut(budgets, fastest_s, cap, quick, alike, least)`` gave ``plan``."""
+    def store(self, budgets, fastest_s, cap, quick, alike, plan) -> None:
+        """Writes what the search chose: ``cut(budgets, fastest_s, cap, quick, alike)`` gave ``plan``."""
         report = plan.budget
         record = {"budgets": [[k, b.fraction, b.nbytes] for k, b in budgets.items()], "fastest_s": fastest_s,
-                  "cap": cap, "quick": quick, "alike": alike, "least": least, "peak_budget": plan.peak_budget,
+                  "cap": cap, "quick": quick, "alike": alike, "peak_budget": plan.peak_budget,
                   "report": None if report is None else {k: getattr(report, k) for k in REPORT_NOTES},
                   "saved": plan.total_bytes, "peak": plan.peak.step, "torch": torch.__version__}
         try:

@@ -1531,6 +1531,53 @@ def test_peak_tie_break_walks_on_peaks_without_reruns_and_searches_reruns_once(m
     assert lowered > 0
 
 
+def test_monotone_envelopes_last_resort_reruns_the_feasible_minimum_toward_the_bound_not_to_its_least(
+        monkeypatch):
+    """Where the budget's reruns cannot reach its bound and no grid target under it meets it, the
+    envelope takes the feasible minimum's partition with its reruns toward the bound, the fastest
+    plan that meets it: not the least peak those reruns find whatever their time (until 2026-12-06:
+    planned as on CUDA, benchmarks/gpu.py's Llama in bf16 took 125 reruns to 9.44 MiB at budget 0.1
+    where its bound was 12.90, docs/budgets.md "Planned as on CUDA"). Feasible range 0..1000, budget
+    0.06 (first plan 600) under target 100's plan (400); reruns toward a cap reach it only down to each
+    partition's floor: 550 for the budget's own, 500 for the grid target 50 under it, 200 for the
+    minimum's, whose search toward the cap stops at the bound."""
+    from remat_fx.passes import peak as P
+    from remat_fx.passes.plan import BudgetReport
+
+    first = {60: 600, 100: 400, 50: 650, 0: 900}
+    floor = {60: 550, 50: 500, 0: 200}
+    asked = []
+
+    def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None, **kwargs):
+        budget = budgets[None]
+        target = budget.nbytes if budget.nbytes is not None else int(budget.fraction * 1000)
+        asked.append((target, cap, kwargs))
+        report = BudgetReport(budget=f"{target / 1000:g}", target=target, achieved=max(target, 8), minimum=0,
+                              maximum=1000, solver="ilp", solve_seconds=0.0, estimated_cost_s=0.0)
+        own = first.get(target, 1000 + target)
+        if kwargs.get("least"):  # the lowest peak, whatever its time
+            peak, step_s = floor[target], 3.0
+        elif cap is None:
+            peak, step_s = own, 1.0
+        else:  # toward the cap, at most down to the partition's floor
+            peak = max(floor.get(target, own), min(own, cap))
+            step_s = 1.0 + (own - peak) / 1000
+        plan = _fake_plan(max(target, 8), peak, step_s, target=target)
+        plan.budget = report
+        return "fw", "bw", plan, {}
+
+    monkeypatch.setattr(P, "lower_peak", lambda cut, budgets, first, slack: first)  # no tie-break here
+    budgets = {None: P.Budget(nbytes=60)}
+    chosen = cut(budgets)
+    found = P.monotone_peak(cut, budgets, chosen, 0.03, 1)
+    assert (0, 400, {}) in asked, asked  # the minimum's partition, its reruns toward the bound
+    assert not any(kwargs for _, _, kwargs in asked), asked
+    plan = found[2]
+    assert (plan.peak.step, plan.total_bytes, plan.step_cost_s) == (400, 8, 1.5)
+    report = plan.budget
+    assert (report.held_under, report.held_met, report.budget, report.target) == (400, True, "0.06", 60)
+
+
 @pytest.mark.parametrize("levels, peak", [(1, 600), (2, 500), (3, 400), (None, 400)])
 def test_monotone_envelope_holds_the_nearby_target_under_the_ones_above_it_option_monotone_levels(
         monkeypatch, levels, peak):

@@ -139,10 +139,10 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             forward_peaks[id(fw)] = (fw, simulate(fw, inline=options.lower == "inductor")[0])
         return forward_peaks[id(fw)][1]
 
-    def finish(fw, bw, plan, budgeted, fastest_s, cap=None, quick=False, least=False):
+    def finish(fw, bw, plan, budgeted, fastest_s, cap=None, quick=False):
         if not quick and (options.rerun is True or (options.rerun == "auto" and budgeted)):
             bw = _rerun(fw, bw, plan, num_fwd_outputs, cost, options.peak_budget if cap is None else cap,
-                        None if cap is not None or least else
+                        None if cap is not None else
                         _rerun_allowance(plan, fastest_s, options, checkpointed_s),
                         options.peak_budget is None,  # the envelope's cap may be shortened, a byte peak_budget's not
                         cap is not None and plan.budget is not None and plan.budget.at_minimum, rerun_searches,
@@ -163,7 +163,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         asked: dict = {}  # id of each answer -> (its arguments, the answer): the plan cache records the chosen one's
         by_tags: dict = {}  # and finishes one set of tags once per allowance, cap and quick
 
-        def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None, least=False):
+        def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None):
             """(fw, bw, plan, tags) meeting ``budgets`` ({} = the plan without a budget); ``fastest_s``:
             the estimated step time of the fastest plan under the user's budget, without reruns (None:
             this is that plan), from which the time allowed to lower the peak is counted; ``cap``: an
@@ -171,14 +171,12 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             envelope's bound); ``quick``: the partition without reruns (no rerun search), whose
             estimated peak the tie-break's walk compares (passes/peak.py lower_peak); ``alike``: the
             budget solved with repeated blocks alike, allowed that recompute (option blocks_alike's
-            fraction; passes/peak.py _final_alike); ``least``: the reruns for the lowest peak they find,
-            whatever their time (at budget 0, what option least_peak asks for; passes/peak.py
-            _envelope's last resort). Each call gets its own copy of the plan and its budget report, which
+            fraction; passes/peak.py _final_alike). Each call gets its own copy of the plan and its budget report, which
             the peak searches annotate (lower_peak, the envelope, fit_peak's cap): another level of the
             envelope asking for the same partition sees it as made, not as an earlier caller noted it."""
-            key = (_budget_key(budgets), fastest_s, cap, quick, alike, least)
+            key = (_budget_key(budgets), fastest_s, cap, quick, alike)
             if key not in cuts:
-                cuts[key] = solve(budgets, fastest_s, cap, quick, alike, least)
+                cuts[key] = solve(budgets, fastest_s, cap, quick, alike)
                 elapsed = time.perf_counter() - t0
                 if elapsed > _PROGRESS_S:
                     plan = cuts[key][2]
@@ -197,7 +195,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             if plan.budget is not None:
                 plan.budget = copy.copy(plan.budget)
             mine = (fw, bw, plan, found_tags)
-            asked[id(mine)] = ((budgets, fastest_s, cap, quick, alike, least), mine)  # kept: its id stays its own
+            asked[id(mine)] = ((budgets, fastest_s, cap, quick, alike), mine)  # kept: its id stays its own
             return mine
 
         answers: dict = {}  # the budget solver's answer to one target, asked again with and without reruns
@@ -214,16 +212,16 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             new_tags, report, written = answers[key]
             return new_tags, copy.copy(report), written
 
-        def solve(budgets, fastest_s, cap, quick, alike, least):
+        def solve(budgets, fastest_s, cap, quick, alike):
             if not budgets:
                 _write_tags(joint_gm, tags)
                 fw, bw, plan = partitioned(None, lambda: (fw0, bw0, copy.copy(plan0)))
-                return (*finish(fw, bw, plan, _peak_budgeted(options), fastest_s, cap, quick, least), tags)
+                return (*finish(fw, bw, plan, _peak_budgeted(options), fastest_s, cap, quick), tags)
             new_tags, report, written = solved(budgets, alike)
             # the solver often gives several targets the same tags (the peak searches' targets
             # between two plans' saved bytes): the same tags make the same partition and reruns
             chosen = frozenset((n.name, t.policy) for n, t in new_tags.items())
-            same = (chosen, fastest_s, cap, quick, least, report.solver == "none", report.at_minimum)
+            same = (chosen, fastest_s, cap, quick, report.solver == "none", report.at_minimum)
             if same in by_tags:
                 fw, bw, done, recompute_s = by_tags[same]
                 plan = copy.copy(done)
@@ -249,7 +247,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             report.estimated_cost_s = plan.recompute_cost_s
             _check_achieved(report, plan, joint, params)
             plan.budget = report
-            fw, bw, plan = finish(fw, bw, plan, True, fastest_s, cap, quick, least)
+            fw, bw, plan = finish(fw, bw, plan, True, fastest_s, cap, quick)
             by_tags[same] = (fw, bw, plan, report.estimated_cost_s)
             return fw, bw, plan, new_tags
 
@@ -287,8 +285,7 @@ def _replay(cut, entry):
     if record is None:
         return None
     try:
-        found = cut(record["budgets"], record["fastest_s"], record["cap"], record["quick"], record["alike"],
-                    record["least"])
+        found = cut(record["budgets"], record["fastest_s"], record["cap"], record["quick"], record["alike"])
     except RematError:
         return None  # a budget this graph can no longer meet: the search says why
     plan = found[2]

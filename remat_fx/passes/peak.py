@@ -899,10 +899,15 @@ def monotone_peak(cut, budgets, chosen, slack: float, levels: Optional[int] = 2)
     that budget would plan it: when it has a lower estimated peak (the bound), the budget's fastest
     partition takes reruns down to the bound whatever their time; if they cannot reach it, the plan
     of the largest grid target under the budget's that meets the bound (it fits the budget too), and
-    only if none does the feasible minimum's: the fastest of those that meet the bound, else the
-    lowest-peak one. (Taking the feasible minimum's plan, the least peak, whenever the reruns missed
-    put budget 0.3 of a wide 8-layer Llama at 47.90 MiB, under 0.15's 64.51; it now takes a grid
-    target's under it, 76.51 MiB.) The budget's saved bytes are never exceeded. At the top of the
+    only if none does the feasible minimum's, its reruns too toward the bound whatever their time:
+    the fastest of those that meet the bound, else the lowest-peak one. (Taking the feasible
+    minimum's plan, the least peak, whenever the reruns missed put budget 0.3 of a wide 8-layer
+    Llama at 47.90 MiB, under 0.15's 64.51; it now takes a grid target's under it, 76.51 MiB. Until
+    2026-12-06 the feasible minimum's reruns went on to the least peak they found, however far under
+    the bound: planned as on CUDA, benchmarks/gpu.py's Llama in bf16 at budget 0.1, whose chain
+    held 0.15 under 0.2's 15.71 MiB, took 125 reruns to 9.44 MiB there (and so at 0.1) where 8, its
+    blocks, meet the bound at 12.90; 22.4 s of planning, now 13.9 s, 0.1 at 12.80 MiB.) The
+    budget's saved bytes are never exceeded. At the top of the
     grid nothing is above. At the feasible minimum (budget 0) nothing else fits: its plan, given
     reruns up to per-layer checkpointing's estimated step (passes/partition.py _rerun_allowance), is
     held under the plan budget 0.05's own compile makes (one level more than ``levels``), by reruns
@@ -956,7 +961,7 @@ def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int]):
                 fits.append(result)
                 break
         else:  # the least peak the reruns find, whatever their time
-            fits.append(cut(_overall(budgets, Budget(fraction=0.0)), least=True))
+            fits.append(cut(_overall(budgets, Budget(fraction=0.0)), None, bound))
         meet = [r for r in fits if r[2].peak.step <= bound]
         best = (min(meet, key=lambda r: (r[2].step_cost_s, r[2].peak.step)) if meet
                 else min(fits, key=lambda r: (r[2].peak.step, r[2].step_cost_s)))
