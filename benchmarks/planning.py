@@ -69,6 +69,7 @@ from benchmarks.gpu import monotone_option  # noqa: E402
 from benchmarks.llama_depth import add_shape_args, build  # noqa: E402
 from remat_fx.memory_budget import fmt_bytes  # noqa: E402
 from remat_fx.options import parse_options  # noqa: E402
+from remat_fx.passes.cost import concrete  # noqa: E402
 from remat_fx.passes import budget as _budget  # noqa: E402
 from remat_fx.passes import partition as _partition  # noqa: E402
 from remat_fx.passes import rerun as _rerun  # noqa: E402
@@ -117,9 +118,10 @@ def installed(timers: Timers):
 
 
 def as_cuda(graphs):
-    """The captured joint graphs with every value (node meta ``val``, the joint inputs) a fake CUDA
-    tensor in the graph's own fake mode: the same shape, strides, storage offset and dtype, and the
-    same storage bytes, values that shared a storage sharing one again (fake CUDA tensors need no GPU)."""
+    """The captured joint graphs, each value (node meta ``val``, rewritten in place, and the joint
+    inputs) now a fake CUDA tensor in the graph's own fake mode: the same shape, strides, storage
+    offset and dtype, and the same storage bytes, values that shared a storage sharing one again
+    (fake CUDA tensors need no GPU)."""
     from torch._guards import detect_fake_mode
     from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -138,9 +140,11 @@ def as_cuda(graphs):
                 key = StorageWeakRef(storage)
                 with mode:
                     if key not in bases:
-                        bases[key] = torch.empty(int(storage.nbytes()), dtype=torch.uint8, device="cuda")
+                        bases[key] = torch.empty(concrete(storage.nbytes()), dtype=torch.uint8, device="cuda")
                     base = bases[key]
-                    t = base.view(v.dtype)
+                    # a storage of an odd size (a dtype view's base): its whole elements, the same storage
+                    whole = base.numel() - base.numel() % v.element_size()
+                    t = base.as_strided((whole,), (1,)).view(v.dtype)  # (indexing a fake CUDA tensor needs CUDA)
                     t = t.as_strided(v.shape, v.stride(), v.storage_offset())
                     if v.requires_grad:
                         t.requires_grad_(True)

@@ -126,9 +126,14 @@ def test_as_cuda_gives_every_value_a_fake_cuda_twin_with_its_storage():
     gm = graphs[0][0]
     nodes = [n for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
     before = {n: (n.meta["val"], storage_bytes(n)) for n in nodes}
+
+    def storages():
+        return {StorageWeakRef(n.meta["val"].untyped_storage()) for n in nodes}
+
     shared = [(a, b) for a in nodes for b in nodes if a is not b and a.op == "call_function"
               and StorageWeakRef(a.meta["val"].untyped_storage()) == StorageWeakRef(b.meta["val"].untyped_storage())]
     assert shared, "no two values share a storage in the captured graph"
+    distinct = len(storages())
     assert node_device(gm.graph.nodes).type == "cpu" and node_facts(nodes[-1], {}).on_cpu
 
     converted = planning.as_cuda(graphs)
@@ -141,16 +146,50 @@ def test_as_cuda_gives_every_value_a_fake_cuda_twin_with_its_storage():
         assert storage_bytes(n) == nbytes, n
     for a, b in shared:
         assert StorageWeakRef(a.meta["val"].untyped_storage()) == StorageWeakRef(b.meta["val"].untyped_storage())
-    assert all(x.device.type == "cuda" for x in converted[0][1] if isinstance(x, torch.Tensor))
+    assert len(storages()) == distinct  # and those that did not share one still do not
+    inputs = [x for x in torch.utils._pytree.tree_leaves(converted[0][1]) if isinstance(x, torch.Tensor)]
+    assert inputs and all(x.device.type == "cuda" for x in inputs)
     assert node_device(gm.graph.nodes).type == "cuda" and not node_facts(nodes[-1], {}).on_cpu
     torch._dynamo.reset()
+
+
+def test_as_cuda_keeps_a_storage_whose_bytes_are_not_whole_elements_of_a_view():
+    """A dtype view of part of an odd-sized storage (4 of 5 bytes read as one int32) keeps its
+    storage's 5 bytes, shared with the uint8 value it views."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from remat_fx.passes.peak import storage_bytes
+
+    with FakeTensorMode() as mode:
+        raw = torch.empty(5, dtype=torch.uint8)
+        word = raw[:4].view(torch.int32)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.view.dtype, (g.call_function(torch.ops.aten.slice.Tensor, (x, 0, 0, 4)),
+                                                    torch.int32))
+    g.output((y,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    x.meta["val"], y.meta["val"] = raw, word
+    assert mode is not None
+    (_, inputs, _), = planning.as_cuda([(gm, (raw,), {})])
+    for node, v in ((x, raw), (y, word)):
+        t = node.meta["val"]
+        assert (t.device.type, t.dtype, t.shape, t.untyped_storage().nbytes()) == ("cuda", v.dtype, v.shape, 5)
+    assert StorageWeakRef(x.meta["val"].untyped_storage()) == StorageWeakRef(y.meta["val"].untyped_storage())
+    assert inputs[0] is x.meta["val"] and storage_bytes(y) == 5
 
 
 def test_planning_benchmark_plans_as_on_cuda_without_a_gpu():
     """--as-cuda on this host: the graph captured on the CPU, planned under CUDA's rules (the table
     says so); refused with --device cuda, where the graph is CUDA's already."""
+    from remat_fx.roofline import CUDA
+
     text = planning.main(ARGS + ["--budgets", "0", "--as-cuda"])
     assert "lower=eager, cpu planned as on CUDA, bf16 autocast, torch" in text, text
     assert "0" in _rows(text)
+    plan = remat.last_plan()  # planned by the cost model's CUDA roofline
+    assert f"{CUDA.flops_per_s:.3g} FLOP/s" in plan.cost_model and plan.budget.at_minimum, plan.cost_model
     with pytest.raises(SystemExit, match="--as-cuda plans a graph captured on the CPU as on CUDA"):
         planning.main(ARGS + ["--budgets", "0", "--as-cuda", "--device", "cuda"])

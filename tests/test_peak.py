@@ -1976,7 +1976,7 @@ def test_the_tie_breaks_walk_stops_above_the_feasible_minimum():
 
     asked = []
 
-    def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None, least=False):
+    def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None):
         target = budgets[None].nbytes
         asked.append(target)
         report = SimpleNamespace(target=target, minimum=800, solver="ilp", lowered_to=None)

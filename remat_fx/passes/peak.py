@@ -952,7 +952,7 @@ def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int]):
     best = cut(budgets, None, bound)
     if best[2].peak.step > bound:
         # the grid targets under the budget fit it too: the largest whose plan meets the bound, before
-        # the feasible minimum's (whose peak, the least, would put this budget under the ones below it)
+        # the feasible minimum's (whose plan, saving the least, would put this budget under the ones below it)
         fits = [chosen, best]
         for t in (t for t in grid if lo < t < report.target):
             below = _overall(budgets, Budget(nbytes=t))
@@ -960,7 +960,7 @@ def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int]):
             if result[2].peak.step <= bound:
                 fits.append(result)
                 break
-        else:  # the least peak the reruns find, whatever their time
+        else:  # the feasible minimum's partition, its reruns toward the bound whatever their time
             fits.append(cut(_overall(budgets, Budget(fraction=0.0)), None, bound))
         meet = [r for r in fits if r[2].peak.step <= bound]
         best = (min(meet, key=lambda r: (r[2].step_cost_s, r[2].peak.step)) if meet
