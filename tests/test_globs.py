@@ -150,3 +150,44 @@ def test_a_region_glob_that_selects_no_named_op_warns_on_the_eager_tape_too(monk
     with pytest.warns(UserWarning, match=r"region 'eager_module' save glob '\*\.qkv' matched none of the ops its "
                                          r"forward named; it ran no named op\. .*exist only under torch.compile"):
         remat.checkpoint("eager_module", save=["*.qkv"])(block)(torch.randn(4, 16)).sum().backward()
+
+
+def test_a_region_that_falls_back_to_the_tape_under_compile_has_its_globs_judged_too(monkeypatch):
+    """A region with a graph break inside runs on the eager tape under torch.compile, where compiler
+    mode never sees its ops: its glob that selects none of them warns as on the eager tape, at its
+    first backward, beside the fallback's warning; one that matches stays silent and is honoured."""
+    from remat_fx.runtime import checkpoint as region
+
+    monkeypatch.setattr(region, "_GLOBS_SEEN", set())
+    monkeypatch.setattr(region, "_GLOBS_PENDING", {})
+    monkeypatch.setattr(region, "_WARNED", set())
+    P = remat.CheckpointPolicy
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def body(x):
+        h = remat.native_op(torch.mm, "layers.0.qkv", policy=P.RECOMPUTE)(x, w).tanh()
+        torch._dynamo.graph_break()
+        return h.sin()
+
+    x = torch.randn(8, 16)
+    for name, glob, said in (("broken_typo", "*.qvk", True), ("broken_match", "*.qkv", False)):
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: remat.checkpoint(name, save=[glob])(body)(x), backend="remat",
+                          options={"lower": "eager"})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = f(x)
+            before = [str(m.message) for m in caught if "glob" in str(m.message)]
+            if not said:  # the matching glob saves the op, as on the eager tape
+                assert remat.memory_report(out).bytes_by_owner() == {"layers.0.qkv": 8 * 16 * 4}
+            out.sum().backward()
+        msgs = [str(m.message) for m in caught if "remat_fx" in str(m.message)]
+        assert before == []  # judged at the backward, on all the forward's calls
+        assert any(f"could not trace checkpoint region '{name}'" in m for m in msgs), msgs
+        typo = [m for m in msgs if f"region '{name}' save glob" in m]
+        assert typo == ([f"remat_fx: region '{name}' save glob '*.qvk' matched none of the ops its forward named; "
+                         "did you mean '*.qkv'? On the eager tape a region's globs select the ops named by "
+                         "remat.op, native_op or annotate; the <module path>.<op> names of other ops (and a "
+                         "module's output, *.qkv) exist only under torch.compile(backend='remat')."]
+                        if said else []), msgs
+    torch._dynamo.reset()
