@@ -5,7 +5,8 @@
 # and the measured peak parted last (benchmarks/gpu.py), takes the allocator's snapshot and
 # Inductor's schedule of the same plans (benchmarks/gpu_snapshot.py, which writes the compiled
 # graphs for benchmarks/fx_replay.py), splits the planning of the same joint graph into its parts
-# (benchmarks/planning.py: the first step's excess over PyTorch's), and packs everything into one
+# (benchmarks/planning.py: the first step's excess over PyTorch's, and whether the estimated peak
+# rises as the budget falls, at PLAN_BUDGETS, default 0.1,0,0.3,0.05), and packs everything into one
 # archive. Each part has its own time limit in seconds (GPU_S, SNAPSHOT_S, PLAN_S; PLAN_S=0 leaves the
 # planning out).
 #
@@ -27,7 +28,8 @@ timeout "${SNAPSHOT_S:-200}" python3 benchmarks/gpu_snapshot.py "${model[@]}" --
     --out "$out/check" > "$out/check/snapshot.log" 2>&1
 if [ "${PLAN_S:-120}" != 0 ]; then
     timeout "${PLAN_S:-120}" python3 benchmarks/planning.py --device cuda --layers 8 --hidden 2048 --intermediate 5632 \
-        --heads 16 --vocab 32000 --seq 2048 --batch 4 --budgets "$budgets" --out "$out/check/planning.md" \
+        --heads 16 --vocab 32000 --seq 2048 --batch 4 --budgets "${PLAN_BUDGETS:-$budgets,0.3,0.05}" \
+        --out "$out/check/planning.md" \
         > "$out/check/planning.log" 2>&1
 fi
 tar czf "$out/gpu_check.tgz" -C "$out/check" . && rm -rf "$out/check"

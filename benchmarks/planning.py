@@ -43,7 +43,8 @@ Each figure is (calls, seconds), from a wrapper around the function, no profiler
 each variant is planned that many times and the fastest planning is kept (the others' counts are the
 same: the search is deterministic). Each planning starts without the budget solver's kept answers
 (passes/budget.py ``_SOLVED``, ``_MINIMA``), as a compile in a new process would. Prints a
-markdown table (and writes it to ``--out``).
+markdown table and, for each ``--monotone`` mode, whether the estimated peak rises as its fraction
+budgets fall (``verdict``; writes both to ``--out``).
 
 Memory budgets only: a compile plans a ``peak_budget`` for the whole step (remat_fx/step.py gives
 each graph the limit the step leaves it: the gradients, what other graphs hold), which a partition
@@ -158,6 +159,29 @@ def as_cuda(graphs):
     return out
 
 
+def verdict(monotone: str, peaks: dict) -> str:
+    """Whether the estimated step peak rises as the memory budget falls, over the fraction budgets
+    planned under one ``--monotone`` mode (``peaks``: budget as given -> its estimated peak, bytes);
+    empty with fewer than two of them. Its first rise names the two budgets."""
+    fractions = []
+    for spec, peak in peaks.items():
+        try:
+            fractions.append((float(spec), spec, peak))
+        except ValueError:  # a byte budget ("7MiB") is not on the fractions' scale
+            continue
+    if len(fractions) < 2:
+        return ""
+    fractions.sort(reverse=True)
+    top = fractions[0]
+    for budget in fractions[1:]:
+        if budget[2] > top[2]:
+            return (f"monotone={monotone}: the estimated peak **rises** as the budget falls: {budget[1]} at "
+                    f"{fmt_bytes(budget[2])} over {top[1]}'s {fmt_bytes(top[2])} (+{budget[2] / top[2] - 1:.0%})")
+        top = min(top, budget, key=lambda b: b[2])
+    return (f"monotone={monotone}: the estimated peak does not rise as the budget falls "
+            f"({fractions[0][1]} to {fractions[-1][1]})")
+
+
 def variant_options(spec: str, monotone: str, lower: str) -> dict:
     """``0.1`` -> memory_budget 0.1 (a fraction, or a size: ``7MiB``)."""
     if spec.startswith("peak"):
@@ -227,7 +251,7 @@ def main(argv=None) -> str:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"benchmarks/planning.py: --device {args.device}, but torch {torch.__version__} sees no CUDA "
                          "device here; leave --device out to capture on the CPU")
-    specs = [b for b in args.budgets.split(",") if b]
+    specs = list(dict.fromkeys(b for b in args.budgets.split(",") if b))  # each once, in the order given
     modes = args.monotone.split(",")
     for monotone in modes:  # every variant checked before the compile that captures the graph
         for spec in specs:
@@ -242,7 +266,7 @@ def main(argv=None) -> str:
         graphs = as_cuda(graphs)
     nodes = sum(len(gm.graph.nodes) for gm, _, _ in graphs)
     timers = Timers()
-    rows = []
+    rows, peaks = [], {}
     with installed(timers):
         for monotone in modes:
             for spec in specs:
@@ -251,12 +275,15 @@ def main(argv=None) -> str:
                 best = min(runs, key=lambda r: r["total"])
                 label = spec if monotone == "default" else f"{spec}, monotone={monotone}"
                 rows.append(row(label, best))
+                peaks.setdefault(monotone, {})[spec] = best["peak"]
                 print(rows[-1], flush=True)
     text = (f"{args.layers}-layer Llama (hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} head(s), "
             f"vocab {args.vocab}, batch {args.batch} x {args.seq}), {len(graphs)} joint graph(s) of {nodes} nodes, "
             f"lower={args.lower}, {device.type}{' planned as on CUDA' if args.as_cuda else ''}"
             f"{', bf16 autocast' if bf16 else ''}, torch {torch.__version__}\n\n"
-            + HEAD + "\n" + "\n".join(rows) + "\n")
+            + HEAD + "\n" + "\n".join(rows) + "\n"
+            + "".join(f"\n{line}" for line in (verdict(mode, found) for mode, found in peaks.items()) if line)
+            + ("\n" if len(specs) > 1 else ""))
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text)

@@ -65,6 +65,7 @@ def test_planning_benchmark_replans_the_compiles_plan_and_splits_its_time(tmp_pa
         assert min_cut[1] + solver[1] + rerun[1] + estimates[1] <= total + 0.01, (label, cells)
         assert float(cells[7]) >= -0.01, (label, cells)  # "other": what the named parts leave
     assert float(rows["0"][4].split(" / ")[0]) >= 1 and float(rows["0"][5].split(" / ")[0]) >= 1  # budget 0's search
+    assert "\nmonotone=default: the estimated peak " in text, text  # the two budgets' verdict (test below)
     # the same plans a compile under these options makes: saved bytes, estimated peak, reruns
     for label, options in (("0", {"memory_budget": 0.0}), ("0.5", {"memory_budget": 0.5})):
         saved, peak, reruns = _compiled_plan(dict(options, lower="eager"))
@@ -193,3 +194,17 @@ def test_planning_benchmark_plans_as_on_cuda_without_a_gpu():
     assert f"{CUDA.flops_per_s:.3g} FLOP/s" in plan.cost_model and plan.budget.at_minimum, plan.cost_model
     with pytest.raises(SystemExit, match="--as-cuda plans a graph captured on the CPU as on CUDA"):
         planning.main(ARGS + ["--budgets", "0", "--as-cuda", "--device", "cuda"])
+
+
+def test_planning_benchmark_says_where_the_estimated_peak_rises_as_the_budget_falls():
+    """Each --monotone mode's verdict over the fraction budgets it planned, in any order given: the
+    first budget whose estimated peak is over the lowest of the larger budgets', named with both;
+    none with fewer than two fractions (a byte budget is not on their scale)."""
+    mib = 2 ** 20
+    assert planning.verdict("default", {"0": 19.7 * mib, "0.3": 16 * mib, "0.1": 12.8 * mib, "0.05": 22.65 * mib}) \
+        == "monotone=default: the estimated peak **rises** as the budget falls: 0.05 at 22.65 MiB over 0.1's " \
+           "12.80 MiB (+77%)"
+    assert planning.verdict("grid", {"0.3": 16 * mib, "0.1": 12.8 * mib, "0": 12.8 * mib}) == \
+        "monotone=grid: the estimated peak does not rise as the budget falls (0.3 to 0)"
+    assert planning.verdict("1", {"0.1": mib, "7MiB": 9 * mib}) == ""
+    assert planning.verdict("1", {"0.1": mib, "7MiB": 9 * mib, "0.5": mib}).endswith("(0.5 to 0.1)")
