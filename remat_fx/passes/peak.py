@@ -952,7 +952,7 @@ def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int]):
     best = cut(budgets, None, bound)
     if best[2].peak.step > bound:
         # the grid targets under the budget fit it too: the largest whose plan meets the bound, before
-        # the feasible minimum's (whose plan, saving the least, would put this budget under the ones below it)
+        # the feasible minimum's, which saves the least and so recomputes the most
         fits = [chosen, best]
         for t in (t for t in grid if lo < t < report.target):
             below = _overall(budgets, Budget(nbytes=t))
