@@ -1950,6 +1950,19 @@ def test_peak_tie_break_solves_its_last_target_first_and_ends_there_when_it_is_l
     assert plan.budget.lowered_to is None and plan.peak.step == 500
 
 
+def test_peak_tie_breaks_walk_ends_where_a_fifth_fewer_saved_bytes_peak_to_the_byte_where_the_fastest_plan_does():
+    """Where target 0.8's plan (no faster) peaks exactly where the fastest plan does, the peak is set by
+    what the saved bytes do not change (the gradients near the backward's end: an 8-layer Llama of
+    hidden 1024 planned as on CUDA peaks at 489.82 MiB at every budget): the walk ends there, one
+    partition, not two. A peak one byte lower at 0.8 still walks from 0.95."""
+    plan, cuts = _walk({1000: 500, 950: 480, 900: 470, 850: 460, 800: 500})
+    assert cuts == [(1000, False), (800, False)]
+    assert plan.budget.lowered_to is None and plan.peak.step == 500
+    plan, cuts = _walk({1000: 500, 950: 480, 900: 470, 850: 460, 800: 501})
+    assert cuts == [(1000, False), (800, False), (950, False), (900, False), (850, False), (850, True)]
+    assert plan.budget.lowered_to == 850 and plan.peak.step == 460
+
+
 def test_a_peak_budget_under_a_memory_budget_reports_the_users_budget():
     """A peak_budget's search solves saved-bytes targets under the memory_budget's: the plan's report
     keeps the user's budget and target and notes the target solved for, and the fastest plan's
