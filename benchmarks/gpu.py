@@ -197,7 +197,7 @@ def main():
     ap.add_argument("--torch-budgets", default=None, help="PyTorch's budgets (default: --budgets; '' for none)")
     ap.add_argument("--monotone", default="default",
                     help="remat's option monotone for its --budgets rows, comma-separated: default (left out: 2 "
-                         "levels), a number of levels (1 = nearest), grid")
+                         "levels), auto, a number of levels (1 = nearest), grid")
     ap.add_argument("--peak-fractions", default="0.5,0")
     ap.add_argument("--fit", default="0.6,0.4", help="remat.fit limits as fractions of eager's peak")
     ap.add_argument("--lower", default="inductor", choices=["inductor", "eager"])

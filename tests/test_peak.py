@@ -1578,24 +1578,27 @@ def test_monotone_envelopes_last_resort_reruns_the_feasible_minimum_toward_the_b
     assert (report.held_under, report.held_met, report.budget, report.target) == (400, True, "0.06", 60)
 
 
-@pytest.mark.parametrize("levels, peak", [(1, 600), (2, 500), (3, 400), (None, 400)])
+@pytest.mark.parametrize("levels, extend, peak, held_levels", [
+    (1, False, 600, 1), (2, False, 500, 2), (3, False, 400, 3), (None, False, 400, None), (2, True, 400, 3)])
 def test_monotone_envelope_holds_the_nearby_target_under_the_ones_above_it_option_monotone_levels(
-        monkeypatch, levels, peak):
+        monkeypatch, levels, extend, peak, held_levels):
     """Option monotone: the budget's bound is the nearest grid target's plan, itself held under the
     next target's, ``levels`` targets up (None: 'grid', all of them). Feasible range 0..1000, so the
     grid targets are 1000 x (1, 0.9, ..., 0.15, 0.1, 0.05); budget 0.06's first plan peaks at 600,
     target 100's at 700, 150's at 500, 200's at 400, and the ones above at 1000 + their target: with
     1 level the budget is compared with 100's first plan and keeps 600, which budget 0.1's own
-    compile holds at 500 (the default, 2 levels, sees that); 150 itself is held at 200's 400 (3
-    levels and the whole grid see that). A plan held under a bound reaches it; the report says
-    what it was held under."""
+    compile holds at 500 (2 levels see that); 150 itself is held at 200's 400 (3 levels and the
+    whole grid see that, and monotone='auto': 2 levels, and 150's first plan is a bump over
+    200's, so one more). A plan held under a bound reaches it; the report says what it was held under."""
     from remat_fx.passes import peak as P
     from remat_fx.passes.plan import BudgetReport
 
     first = {60: 600, 100: 700, 150: 500, 200: 400}
+    asked = []
 
     def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None):
         target = budgets[None].nbytes
+        asked.append(target)
         report = BudgetReport(budget=f"{target / 1000:g}", target=target, achieved=target, minimum=0, maximum=1000,
                               solver="ilp", solve_seconds=0.0, estimated_cost_s=0.0)
         own = first.get(target, 1000 + target)
@@ -1607,18 +1610,48 @@ def test_monotone_envelope_holds_the_nearby_target_under_the_ones_above_it_optio
     monkeypatch.setattr(P, "lower_peak", lambda cut, budgets, first, slack: first)  # no tie-break here
     budgets = {None: P.Budget(nbytes=60)}
     chosen = cut(budgets)
-    found = P.monotone_peak(cut, budgets, chosen, 0.03, levels)
+    found = P.monotone_peak(cut, budgets, chosen, 0.03, levels, extend)
     assert found[2].peak.step == peak
+    if extend:  # 250 was asked (the check of 200, not a bump), nothing above it
+        assert max(asked) == 250, asked
     report = found[2].budget
     if levels == 1:
         assert found is chosen and report.held_under is None
     else:
         assert (report.held_under, report.held_by, report.held_met) == (peak, "0.1", True)
-        assert report.held_final == (levels is None) and report.held_levels == levels
+        assert report.held_final == (levels is None) and report.held_levels == held_levels
         said = {2: "plan held under the next grid target's", 3: "plan held in turn under the 2 grid targets above it",
-                None: "plan"}[levels]
+                None: "plan"}[held_levels]
         assert f"held at or under {fmt_bytes(peak)}, the estimated peak of budget 0.1's {said} (the monotone " \
             "envelope" in str(report), str(report)
+
+
+def test_monotone_auto_goes_no_further_than_two_levels_where_the_second_is_no_bump(monkeypatch):
+    """monotone='auto' where the chain's second level (150, first plan 500) peaks at or under the
+    fastest plan of the target above it (200: 600): two levels, as monotone=2, the check of 200
+    the only partition more (nothing above 200 asked)."""
+    from remat_fx.passes import peak as P
+    from remat_fx.passes.plan import BudgetReport
+
+    first = {60: 600, 100: 700, 150: 500, 200: 600}
+    asked = []
+
+    def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None):
+        target = budgets[None].nbytes
+        asked.append((target, quick))
+        report = BudgetReport(budget=f"{target / 1000:g}", target=target, achieved=target, minimum=0, maximum=1000,
+                              solver="ilp", solve_seconds=0.0, estimated_cost_s=0.0)
+        own = first.get(target, 1000 + target)
+        plan = _fake_plan(target, own if cap is None else min(own, cap), 1.0 + (0.1 if cap is not None else 0.0),
+                          target=target)
+        plan.budget = report
+        return "fw", "bw", plan, {}
+
+    monkeypatch.setattr(P, "lower_peak", lambda cut, budgets, first, slack: first)  # no tie-break here
+    budgets = {None: P.Budget(nbytes=60)}
+    found = P.monotone_peak(cut, budgets, cut(budgets), 0.03, 2, True)
+    assert found[2].peak.step == 500 and found[2].budget.held_levels == 2
+    assert max(t for t, _ in asked) == 200 and (200, False) in asked, asked  # its fastest plan, with reruns
 
 
 @pytest.mark.parametrize("monotone", [
@@ -1626,14 +1659,15 @@ def test_monotone_envelope_holds_the_nearby_target_under_the_ones_above_it_optio
         strict=True, reason="by default (monotone=2) the envelope holds a budget under the nearest grid target's "
         "plan held under the next target's, not that target's own envelope: the test GPT's 0.05 keeps 182,660 bytes, "
         "0.1's first plan held under 0.15's first plan, where budget 0.1 itself goes down to 162,180 (0.15 being "
-        "held under 0.2's); monotone=3 or 'grid' see that (docs/budgets.md)")),
-    "grid"])
+        "held under 0.2's); monotone=3, 'auto' or 'grid' see that (docs/budgets.md)")),
+    "auto", "grid"])
 @pytest.mark.slow
 def test_estimated_peak_is_non_increasing_down_the_low_budgets(monotone):
     """The issue's "monotone by construction, in the estimate": each smaller memory budget's
     estimated step peak at most the larger one's (the test GPT, eager lowering). Option
     monotone="grid" holds each budget under the nearby grid target's own envelope, up the grid;
-    the default holds it under that target's plan held one level up only, and 0.05 rises over 0.1."""
+    monotone=2 holds it under that target's plan held one level up only, and 0.05 rises over 0.1;
+    'auto' goes on up past 0.15's first plan, a bump over 0.2's."""
     model, inputs = _gpt()
     budgets = (0.3, 0.2, 0.15, 0.1, 0.05, 0.0)
     # the joint graph traced once and planned at each budget as a compile plans it (remat.pareto;
@@ -1649,7 +1683,10 @@ def test_estimated_peak_is_non_increasing_down_the_low_budgets(monotone):
         held = plan.budget.held_under
         if held is not None:  # the report says what it was held under, and whether it got there
             assert plan.budget.held_final == (monotone == "grid")
-            assert monotone == "grid" or plan.budget.held_levels == monotone + (budget == 0)  # 0: under 0.05's own
+            if monotone == "auto":  # 2 levels at least, more past a bump
+                assert plan.budget.held_levels >= 2 + (budget == 0), plan.budget
+            elif monotone != "grid":
+                assert plan.budget.held_levels == monotone + (budget == 0)  # 0: under 0.05's own
             assert plan.budget.held_met == (plan.peak.step <= held)
             assert f"held at or under {fmt_bytes(held)}" in str(plan) or not plan.budget.held_met
         assert peaks == sorted(peaks, reverse=True), peaks

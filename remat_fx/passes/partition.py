@@ -27,7 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 from remat_fx import plan_cache
 from remat_fx.fresh_stack import on_fresh_stack
 from remat_fx.memory_budget import fmt_bytes
-from remat_fx.options import BackendOptions, RematError, monotone_levels
+from remat_fx.options import BackendOptions, RematError, monotone_extends, monotone_levels
 from remat_fx.passes.budget import apply_budget, budgets_of
 from remat_fx.passes.capture import is_random, read_joint
 from remat_fx.passes.cost import CostModel, node_device
@@ -264,7 +264,8 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
             at_minimum = chosen[2].budget is not None and chosen[2].budget.at_minimum
             found = chosen if options.peak_slack <= 0 or options.least_peak or \
                 (at_minimum and options.rerun is False) else \
-                monotone_peak(cut, budgets, chosen, options.peak_slack, monotone_levels(options.monotone))
+                monotone_peak(cut, budgets, chosen, options.peak_slack, monotone_levels(options.monotone),
+                              monotone_extends(options.monotone))
         found[2].peak_evaluations = len(cuts)  # the partitions the search made (1: the plan cache's replay)
         fw, bw, plan, tags = found
         if entry is not None and not plan.from_cache and id(found) in asked:

@@ -900,7 +900,7 @@ def lower_peak(cut, budgets, first, slack: float):
     return best
 
 
-def monotone_peak(cut, budgets, chosen, slack: float, levels: Optional[int] = 2):
+def monotone_peak(cut, budgets, chosen, slack: float, levels: Optional[int] = 2, extend: bool = False):
     """The monotone envelope of a memory budget: a smaller budget must not give a higher estimated
     peak than a larger one. ``chosen`` (lower_peak's plan) is compared with the plan of the
     saved-bytes target of ``_GRID`` (fractions of the feasible range) just above the budget's, as
@@ -928,19 +928,34 @@ def monotone_peak(cut, budgets, chosen, slack: float, levels: Optional[int] = 2)
     partitions, each with a rerun search. The default, 2, holds the nearest target under the next
     one: with 1, an 8-layer Llama's budget 0.05 was compared with 0.1's first plan (22.27 MiB) and
     kept 22.27 MiB where 0.1's own compile held it at 21.27 MiB under 0.15's (docs/budgets.md).
+    ``extend`` (monotone="auto": ``levels`` 2): where the chain's last level's first plan
+    peaks over the fastest plan of the grid target above it (a bump: that level's own compile holds
+    it lower), the chain goes on up, level by level, to the first level that does not (planned as on
+    CUDA, benchmarks/gpu.py's Llama in bf16 at budget 0.05: 0.1's plan held under 0.15's first plan,
+    24.04 MiB, a bump over 0.2's 15.71, kept 0.05 at 22.65 MiB where 0.1's own compile gives 12.80;
+    extended to 0.2, 12.79 MiB, as the grid's). The check compares with the next level's fastest
+    plan, reruns included (its plan, after the peak tie-break, peaks at or under that: a bump within
+    the tie-break's gain goes unseen; against its partition without reruns, a check of one partition
+    and no rerun search, the same Llama in float32 kept 0.1 at 26.00 MiB over 0.2's 24.00: 0.2's first
+    plan, 26.31, is a bump over 0.25's plan, not over its partition); each extension costs that
+    level's plans. Not monotone by construction: a level under its neighbour above can still be over
+    that neighbour's own envelope. Not the default: its tighter bound at budget 0 gave the test GPT a
+    plan of whole blocks rerun toward it that the least peak's plan beats in peak and time
+    (docs/budgets.md "monotone='auto'").
     ``cut(budgets, fastest_s, cap)`` returns (fw, bw, plan, tags) and caches by its arguments, so a
     target solved for one comparison is not solved again."""
-    return _envelope(cut, budgets, chosen, slack, levels)
+    return _envelope(cut, budgets, chosen, slack, levels, extend)[0]
 
 
-def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int]):
-    """monotone_peak's plan for ``budgets`` (``chosen``: lower_peak's), its bound the nearby grid
-    target's plan held by its own envelope ``depth - 1`` levels up (0: ``chosen`` as it is; None:
-    every level up to the top of the grid)."""
+def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int], extend: bool = False):
+    """(monotone_peak's plan for ``budgets`` (``chosen``: lower_peak's), the grid levels its bound
+    was made from): its bound the nearby grid target's plan held by its own envelope ``depth - 1``
+    levels up (0: ``chosen`` as it is; None: every level up to the top of the grid), with
+    ``extend`` further up while the last level is a bump (monotone_peak)."""
     plan = chosen[2]
     report = plan.budget
     if depth == 0 or None not in budgets or report is None or report.solver == "none":
-        return chosen
+        return chosen, 0
     if report.at_minimum and depth is not None:
         depth += 1  # budget 0's bound: budget 0.05's plan as its own compile holds it
     lo, hi = report.minimum, report.maximum
@@ -950,13 +965,23 @@ def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int]):
     grid = sorted(fraction, reverse=True)  # saved-bytes targets, largest first
     above = [t for t in grid if t > report.target]
     if not above:
-        return chosen
+        return chosen, 0
     near = min(above)
     nearby = _overall(budgets, Budget(nbytes=near))
-    bound = _envelope(cut, nearby, lower_peak(cut, nearby, cut(nearby), slack), slack,
-                      None if depth is None else depth - 1)[2].peak.step
+    near_chosen = lower_peak(cut, nearby, cut(nearby), slack)
+    deeper = None if depth is None else depth - 1
+    if extend and deeper == 0:
+        higher = [t for t in grid if t > near]
+        if higher:
+            # a bump: its own compile holds it under the level above (that level's fastest plan, with
+            # the reruns its slack allows: its plan peaks at or under it)
+            if near_chosen[2].peak.step > cut(_overall(budgets, Budget(nbytes=min(higher))))[2].peak.step:
+                deeper = 1
+    held, levels = _envelope(cut, nearby, near_chosen, slack, deeper, extend)
+    levels = None if depth is None else levels + 1
+    bound = held[2].peak.step
     if plan.peak.step <= bound:
-        return chosen
+        return chosen, levels
     best = cut(budgets, None, bound)
     if best[2].peak.step > bound:
         # the grid targets under the budget fit it too: the largest whose plan meets the bound, before
@@ -974,7 +999,7 @@ def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int]):
         best = (min(meet, key=lambda r: (r[2].step_cost_s, r[2].peak.step)) if meet
                 else min(fits, key=lambda r: (r[2].peak.step, r[2].step_cost_s)))
     if best is chosen:
-        return chosen
+        return chosen, levels
     picked = best[2].budget  # this call's own copy (passes/partition.py cut): re-reported as the budget's
     picked_target = picked.target if picked.lowered_to is None else picked.lowered_to
     solve_s = report.solve_seconds + picked.solve_seconds
@@ -982,6 +1007,6 @@ def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int]):
     picked.fastest_peak = report.fastest_peak if report.lowered_to is not None else plan.peak.step
     picked.fastest_step_s = report.fastest_step_s if report.lowered_to is not None else plan.step_cost_s
     picked.solve_seconds = solve_s
-    picked.held_under, picked.held_met, picked.held_levels = bound, best[2].peak.step <= bound, depth
+    picked.held_under, picked.held_met, picked.held_levels = bound, best[2].peak.step <= bound, levels
     picked.held_by = f"{fraction[near]:g}"
-    return best
+    return best, levels
