@@ -941,7 +941,7 @@ def monotone_peak(cut, budgets, chosen, slack: float, levels: Optional[int] = 2,
     level's plans. Not monotone by construction: a level under its neighbour above can still be over
     that neighbour's own envelope. Not the default: its tighter bound at budget 0 gave the test GPT a
     plan of whole blocks rerun toward it that the least peak's plan beats in peak and time
-    (docs/budgets.md "monotone='auto'").
+    (docs/budgets.md, "monotone='auto': on up past a bump").
     ``cut(budgets, fastest_s, cap)`` returns (fw, bw, plan, tags) and caches by its arguments, so a
     target solved for one comparison is not solved again."""
     return _envelope(cut, budgets, chosen, slack, levels, extend)[0]
