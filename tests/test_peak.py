@@ -1578,6 +1578,26 @@ def test_monotone_envelopes_last_resort_reruns_the_feasible_minimum_toward_the_b
     assert (report.held_under, report.held_met, report.budget, report.target) == (400, True, "0.06", 60)
 
 
+def _grid_cut(first: dict, asked: list):
+    """A stand-in for partition's ``cut`` over the feasible range 0..1000: target t's plan peaks at
+    ``first[t]`` (1000 + t where not given), or at a cap given it (its reruns toward it reach it, at a
+    tenth of a second more); ``asked`` gets (target, quick) of each call."""
+    from remat_fx.passes.plan import BudgetReport
+
+    def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None):
+        target = budgets[None].nbytes
+        asked.append((target, quick))
+        report = BudgetReport(budget=f"{target / 1000:g}", target=target, achieved=target, minimum=0, maximum=1000,
+                              solver="ilp", solve_seconds=0.0, estimated_cost_s=0.0)
+        own = first.get(target, 1000 + target)
+        plan = _fake_plan(target, own if cap is None else min(own, cap), 1.0 + (0.1 if cap is not None else 0.0),
+                          target=target)
+        plan.budget = report
+        return "fw", "bw", plan, {}
+
+    return cut
+
+
 @pytest.mark.parametrize("levels, extend, peak, held_levels", [
     (1, False, 600, 1), (2, False, 500, 2), (3, False, 400, 3), (None, False, 400, None), (2, True, 400, 3)])
 def test_monotone_envelope_holds_the_nearby_target_under_the_ones_above_it_option_monotone_levels(
@@ -1591,29 +1611,16 @@ def test_monotone_envelope_holds_the_nearby_target_under_the_ones_above_it_optio
     whole grid see that, and monotone='auto': 2 levels, and 150's first plan is a bump over
     200's, so one more). A plan held under a bound reaches it; the report says what it was held under."""
     from remat_fx.passes import peak as P
-    from remat_fx.passes.plan import BudgetReport
 
-    first = {60: 600, 100: 700, 150: 500, 200: 400}
     asked = []
-
-    def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None):
-        target = budgets[None].nbytes
-        asked.append(target)
-        report = BudgetReport(budget=f"{target / 1000:g}", target=target, achieved=target, minimum=0, maximum=1000,
-                              solver="ilp", solve_seconds=0.0, estimated_cost_s=0.0)
-        own = first.get(target, 1000 + target)
-        plan = _fake_plan(target, own if cap is None else min(own, cap), 1.0 + (0.1 if cap is not None else 0.0),
-                          target=target)
-        plan.budget = report
-        return "fw", "bw", plan, {}
-
+    cut = _grid_cut({60: 600, 100: 700, 150: 500, 200: 400}, asked)
     monkeypatch.setattr(P, "lower_peak", lambda cut, budgets, first, slack: first)  # no tie-break here
     budgets = {None: P.Budget(nbytes=60)}
     chosen = cut(budgets)
     found = P.monotone_peak(cut, budgets, chosen, 0.03, levels, extend)
     assert found[2].peak.step == peak
     if extend:  # 250 was asked (the check of 200, not a bump), nothing above it
-        assert max(asked) == 250, asked
+        assert max(t for t, _ in asked) == 250, asked
     report = found[2].budget
     if levels == 1:
         assert found is chosen and report.held_under is None
@@ -1631,22 +1638,9 @@ def test_monotone_auto_goes_no_further_than_two_levels_where_the_second_is_no_bu
     fastest plan of the target above it (200: 600): two levels, as monotone=2, the check of 200
     the only partition more (nothing above 200 asked)."""
     from remat_fx.passes import peak as P
-    from remat_fx.passes.plan import BudgetReport
 
-    first = {60: 600, 100: 700, 150: 500, 200: 600}
     asked = []
-
-    def cut(budgets, fastest_s=None, cap=None, quick=False, alike=None):
-        target = budgets[None].nbytes
-        asked.append((target, quick))
-        report = BudgetReport(budget=f"{target / 1000:g}", target=target, achieved=target, minimum=0, maximum=1000,
-                              solver="ilp", solve_seconds=0.0, estimated_cost_s=0.0)
-        own = first.get(target, 1000 + target)
-        plan = _fake_plan(target, own if cap is None else min(own, cap), 1.0 + (0.1 if cap is not None else 0.0),
-                          target=target)
-        plan.budget = report
-        return "fw", "bw", plan, {}
-
+    cut = _grid_cut({60: 600, 100: 700, 150: 500, 200: 600}, asked)
     monkeypatch.setattr(P, "lower_peak", lambda cut, budgets, first, slack: first)  # no tie-break here
     budgets = {None: P.Budget(nbytes=60)}
     found = P.monotone_peak(cut, budgets, cut(budgets), 0.03, 2, True)
