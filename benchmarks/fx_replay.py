@@ -15,7 +15,10 @@ With the forward, the figures are remat's own estimate of the pair (the plan's `
 ``--search`` (with ``--forward``) then times remat's rerun search on the backward, toward the
 lowest peak it finds with the cost model left out (passes/rerun.py ``rerun_for_peak``): its reruns,
 the peak before and after, the programs it simulated and its seconds (the fastest of ``--repeat``
-runs), the planning work a CUDA compile does on a graph of that size, here without the GPU.
+runs), the planning work a CUDA compile does on a graph of that size, here without the GPU. The
+search runs with Python's cyclic collector off, as a compile's planning does (passes/partition.py
+``_no_gc``; until 2026-12-06 it ran with it on, and took about twice as long: 2.05 s against 1.08 s
+on the H200's budget-0 backward, the same search).
 """
 from __future__ import annotations
 
@@ -119,6 +122,7 @@ def search(bw: fx.GraphModule, inputs, repeat: int = 1) -> str:
     import time
 
     from remat_fx.passes import rerun
+    from remat_fx.passes.partition import _no_gc
 
     best = None
     for _ in range(max(1, repeat)):
@@ -130,10 +134,11 @@ def search(bw: fx.GraphModule, inputs, repeat: int = 1) -> str:
 
         rerun._Program.simulate = counted
         try:
-            t0 = time.perf_counter()
-            _, report = rerun.rerun_for_peak(bw, inputs.counted, inputs.shared, 0, 0, lambda node: 1e-6, inline=True,
-                                             donated=inputs.donated)
-            seconds = time.perf_counter() - t0
+            with _no_gc():  # as the planning runs it
+                t0 = time.perf_counter()
+                _, report = rerun.rerun_for_peak(bw, inputs.counted, inputs.shared, 0, 0, lambda node: 1e-6,
+                                                 inline=True, donated=inputs.donated)
+                seconds = time.perf_counter() - t0
         finally:
             rerun._Program.simulate = real
         if best is None or seconds < best[0]:
