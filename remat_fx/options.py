@@ -48,9 +48,9 @@ _DOC = {
                   "peak they find); with a peak_budget they are not limited by time",
     "monotone": "with peak_slack > 0, how a memory_budget's estimated peak is held at or under larger budgets': "
                 "an int k: against the plan of the nearest target above it on a grid of the feasible range, itself held "
-                "under the next target above, and so on, k levels up (default 2; 'nearest' = 1: that target's plan as "
-                "it is); 'auto': 2 levels, and on up while the last level's first plan peaks over the next "
-                "level's fastest plan; 'grid': every level up to the top, so that the estimated peak never rises "
+                "under the next target above, and so on, k levels up (default 2; 'nearest' = 1: that target's "
+                "plan as it is); 'auto': 2 levels, and on up while the last level's first plan peaks over the "
+                "next level's fastest plan; 'grid': every level up to the top, so that the estimated peak never rises "
                 "as the budget falls across the grid's targets (planning takes 2-4x longer)",
     "blocks_alike": "plan repeated blocks (the ops of model.layers.0, model.layers.1, ...) alike, so that Inductor "
                     "compiles one set of kernels for them all, fewer to compile in the first step: a fraction "

@@ -37,7 +37,8 @@ def _compile(fn, **options):
      r"option 'monotone'=3 holds a memory_budget's .* and a peak_budget is set"),
     ({"monotone": "nearest", "memory_budget": 0.3, "peak_slack": 0}, r"option 'monotone'=1 holds .* peak_slack is 0"),
     ({"monotone": "grids"}, r"option 'monotone' must be an int >= 1 \(the levels of the grid held in turn; default 2\), "
-                            r"'auto' \(2, more past a bump\), 'nearest' \(1\) or 'grid', got 'grids' \(did you mean 'grid'\?\)"),
+                            r"'auto' \(2, more past a bump\), 'nearest' \(1\) or 'grid', got 'grids' "
+                            r"\(did you mean 'grid'\?\)"),
     ({"monotone": "Auto"}, r"option 'monotone' must be an int >= 1 .*, got 'Auto' \(did you mean 'auto'\?\)"),
     ({"monotone": 0}, r"option 'monotone' must be an int >= 1 .*, got 0\b"),
     ({"monotone": True}, r"option 'monotone' must be an int >= 1 .*, got True\b"),
