@@ -970,13 +970,12 @@ def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int], extend: 
     nearby = _overall(budgets, Budget(nbytes=near))
     near_chosen = lower_peak(cut, nearby, cut(nearby), slack)
     deeper = None if depth is None else depth - 1
-    if extend and deeper == 0:
-        higher = [t for t in grid if t > near]
-        if higher:
-            # a bump: its own compile holds it under the level above (that level's fastest plan, with
-            # the reruns its slack allows: its plan peaks at or under it)
-            if near_chosen[2].peak.step > cut(_overall(budgets, Budget(nbytes=min(higher))))[2].peak.step:
-                deeper = 1
+    higher = [t for t in grid if t > near]
+    # with extend, a bump goes on up: its own compile holds it under the level above (that level's
+    # fastest plan, with the reruns its slack allows: its plan peaks at or under it)
+    if extend and deeper == 0 and higher and \
+            near_chosen[2].peak.step > cut(_overall(budgets, Budget(nbytes=min(higher))))[2].peak.step:
+        deeper = 1
     held, levels = _envelope(cut, nearby, near_chosen, slack, deeper, extend)
     levels = None if depth is None else levels + 1
     bound = held[2].peak.step
