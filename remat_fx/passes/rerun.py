@@ -35,7 +35,12 @@ of any of them, which is per-block checkpointing's structure; once no block lowe
 on value by value. Of the two, the faster plan is kept where its peak is within 1% of the lower
 one, or of two within 2% of each other's recompute the one copying fewer nodes (``_choose``:
 budget 0 of that Llama toward its cap, 35 reruns copying 697 nodes against 78 copying 912, 1.8%
-more recompute; 40 kernels compiled instead of 55). On the 8-layer Llama of benchmarks/gpu.py at
+more recompute; 40 kernels compiled instead of 55). Toward budget 0's cap the blocks' search runs
+first; where its plan meets the cap the values' search then runs toward that plan's peak, allowed
+its time less _NEAR_FASTEST and its copied nodes, and its plan replaces the blocks' only where it
+gets there: no higher, faster, no larger (since 2026-12-06; before, the values' search was not run
+there, and on the test GPT under monotone='auto' 3 blocks met the cap with 1.27 ms of recompute
+and 238 copied nodes, where the values reach a lower peak with 0.48 ms and 79). On the 8-layer Llama of benchmarks/gpu.py at
 budget 0 with peak_slack 0 (Inductor's liveness) 8 blocks take the estimate from 91.3 to 23.3 MiB
 for 72 ms of recompute and the values after them to 16.73 MiB, 200 ms and 2,230 copied nodes in
 all, where values alone reach 16.60 MiB with 235 ms and 2,532: the blocks' plan is kept. On small
@@ -358,17 +363,27 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
     with_blocks = _BLOCKS_FIRST and allowance is None and (cap is None or blocks_first) and \
         len({prog.block(n) for n in prog.rerunnable} - {None}) > 1
     if with_blocks:  # the lowest peak (or budget 0's cap), on a backward of numbered blocks
-        # toward a cap the blocks' search runs first, and where it meets the cap the values' is not
-        # run: its plan copies fewer nodes (what Inductor lowers and compiles in the first step)
+        # toward a cap the blocks' search runs first; where its plan meets the cap, the values' search
+        # runs toward that plan's peak in its time less _NEAR_FASTEST, and its plan replaces the
+        # blocks' only where it reaches that peak copying no more nodes (what Inductor lowers and
+        # compiles in the first step): no higher, faster and no larger
         ways = [(False, True)] + ways if cap is not None else ways + [(False, True)]
     kept = []
+    within, toward, blocks_plan = allowance, cap, None
     for by_cut, blocks in ways:
         prog.items = items0  # the backward without reruns
-        history = _search(prog, state, sim, cur, held, floor, cost, allowance, cap, max_closure, tries, patience,
-                          max_reruns, by_cut, blocks, memo=memo)
-        kept.append(history[:_prefix(history, report.peak_before, cap, min_gain)])
-        if blocks and cap is not None and kept[-1] and kept[-1][-1][1].peak <= cap:
+        history = _search(prog, state, sim, cur, held, floor, cost, within, toward, max_closure, tries, patience,
+                          max_reruns, by_cut, blocks, memo=memo,
+                          max_nodes=None if blocks_plan is None else _copied(blocks_plan))
+        kept.append(history[:_prefix(history, report.peak_before, toward, min_gain)])
+        if blocks_plan is not None:
+            values_plan = kept[-1]
+            better = values_plan and values_plan[-1][1].peak <= toward and _copied(values_plan) <= _copied(blocks_plan)
+            kept = [values_plan if better else blocks_plan]
             break
+        if blocks and cap is not None and kept[-1] and kept[-1][-1][1].peak <= cap:
+            blocks_plan = kept[-1]
+            within, toward = blocks_plan[-1][4] / (1 + _NEAR_FASTEST), blocks_plan[-1][1].peak
     keep = _choose(kept, cur) if with_blocks else min(kept, key=lambda found: _outcome(found, cur))
     if len(keep) > 1 and not inline:  # under Inductor: see _prune
         keep = _prune(prog, keep, state)
@@ -385,17 +400,18 @@ def rerun_for_peak(bw: fx.GraphModule, counted: Set[str], shared: Dict[str, str]
 
 def _search(prog: _Program, state, sim, cur: _State, held: int, floor: int, cost, allowance, cap, max_closure: int,
             tries: int, patience: int, max_reruns: int, by_cut: bool, blocks: bool = False,
-            memo: Optional["Searched"] = None) -> list:
+            memo: Optional["Searched"] = None, max_nodes: Optional[int] = None) -> list:
     """The greedy search from the program ``prog`` holds (its liveness ``sim``, state ``cur``): the
     history (items, state, FX name, nodes, seconds so far) after each rerun taken. ``by_cut``: rank
     candidates first by what they cut off the top of the backward's live bytes (``_cut_above``);
     ``blocks``: whole numbered blocks first (_candidates), until a step takes a single value;
-    ``memo``: the programs earlier searches made (``Searched``)."""
+    ``memo``: the programs earlier searches made (``Searched``); ``max_nodes``: the search ends once
+    its reruns have copied more nodes than this."""
     memo = Searched() if memo is None else memo
     history = []
     offer = blocks
     best = (cur.peak, 0)
-    stale, spent = 0, 0.0
+    stale, spent, copied = 0, 0.0, 0
     # with a cap, the search ends once the peak meets it (_prefix keeps the fewest reruns that do)
     while len(history) < max_reruns and cur.peak > max(floor, cap or 0) and stale < patience:
         live, roots, start, last, uses, size, inlined, index = sim
@@ -431,6 +447,9 @@ def _search(prog: _Program, state, sim, cur: _State, held: int, floor: int, cost
         offer = offer and plan["block"] is not None
         spent += plan["seconds"]
         history.append((prog.items, cur, plan["block"] or root.src.name, plan["nodes"], spent))
+        copied += len(plan["nodes"])
+        if max_nodes is not None and copied > max_nodes:
+            break
         if cur.peak < best[0]:
             best, stale = (cur.peak, len(history)), 0
         else:
