@@ -40,14 +40,15 @@ first; where its plan meets the cap the values' search then runs toward that pla
 its time less _NEAR_FASTEST and its copied nodes, and its plan replaces the blocks' only where it
 gets there: no higher, faster, no larger (since 2026-12-06; before, the values' search was not run
 there, and on the test GPT under monotone='auto' 3 blocks met the cap with 1.27 ms of recompute
-and 238 copied nodes, where the values reach a lower peak with 0.48 ms and 79). On the 8-layer Llama of benchmarks/gpu.py at
-budget 0 with peak_slack 0 (Inductor's liveness) 8 blocks take the estimate from 91.3 to 23.3 MiB
-for 72 ms of recompute and the values after them to 16.73 MiB, 200 ms and 2,230 copied nodes in
-all, where values alone reach 16.60 MiB with 235 ms and 2,532: the blocks' plan is kept. On small
-models and under the eager lowering the values' plan was faster. It stops when the step's peak
-is the forward's (the backward can no longer set it). Random ops, mutations and anything that
-reads a tangent are never rerun. When the backward is compiled, the step may show
-that another of its graphs sets its peak: ``shorten`` then keeps only the first reruns it needs.
+and 238 copied nodes, where the values reach a lower peak with 0.48 ms and 79). On the 8-layer
+Llama of benchmarks/gpu.py at budget 0 with peak_slack 0 (Inductor's liveness) 8 blocks take
+the estimate from 91.3 to 23.3 MiB for 72 ms of recompute and the values after them to 16.73 MiB,
+200 ms and 2,230 copied nodes in all, where values alone reach 16.60 MiB with 235 ms and 2,532:
+the blocks' plan is kept. On small models and under the eager lowering the values' plan was
+faster. It stops when the step's peak is the forward's (the backward can no longer set it).
+Random ops, mutations and anything that reads a tangent are never rerun. When the backward is
+compiled, the step may show that another of its graphs sets its peak: ``shorten`` then keeps
+only the first reruns it needs.
 """
 from __future__ import annotations
 
