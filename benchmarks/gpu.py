@@ -196,8 +196,8 @@ def main():
     ap.add_argument("--budgets", default="1,0.5,0.3,0.2,0.1,0")
     ap.add_argument("--torch-budgets", default=None, help="PyTorch's budgets (default: --budgets; '' for none)")
     ap.add_argument("--monotone", default="default",
-                    help="remat's option monotone for its --budgets rows, comma-separated: default (left out: 2 "
-                         "levels), auto, a number of levels (1 = nearest), grid")
+                    help="remat's option monotone for its --budgets rows, comma-separated: default (left out: "
+                         "'auto'), auto, a number of levels (1 = nearest), grid")
     ap.add_argument("--peak-fractions", default="0.5,0")
     ap.add_argument("--fit", default="0.6,0.4", help="remat.fit limits as fractions of eager's peak")
     ap.add_argument("--lower", default="inductor", choices=["inductor", "eager"])
@@ -300,8 +300,9 @@ def warm_up(device):
 
 
 def monotone_option(mode: str) -> dict:
-    """A --monotone word as backend options: "default" leaves the option out (2 levels), a number is
-    that many levels, "nearest" (1) and "grid" are passed as they are."""
+    """A --monotone word as backend options: "default" leaves the option out ("auto" since 2026-12-06,
+    2 levels before), a number is that many levels, "nearest" (1), "auto" and "grid" are passed as
+    they are."""
     mode = mode.strip()
     return {} if mode == "default" else {"monotone": int(mode) if mode.isdigit() else mode}
 

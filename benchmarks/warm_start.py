@@ -148,7 +148,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", default="0.3,0.1")
     ap.add_argument("--monotone", default="default,grid",
-                    help="option monotone, comma-separated: default (left out: 2 levels), a number of levels, grid")
+                    help="option monotone, comma-separated: default (left out: 'auto'), auto, a number of levels, grid")
     model_arguments(ap)
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--first-only", action="store_true", help="the first process alone (the phases table)")

@@ -48,8 +48,8 @@ _DOC = {
                   "peak they find); with a peak_budget they are not limited by time",
     "monotone": "with peak_slack > 0, how a memory_budget's estimated peak is held at or under larger budgets': "
                 "an int k: against the plan of the nearest target above it on a grid of the feasible range, itself held "
-                "under the next target above, and so on, k levels up (default 2; 'nearest' = 1: that target's "
-                "plan as it is); 'auto': 2 levels, and on up while the last level's first plan peaks over the "
+                "under the next target above, and so on, k levels up ('nearest' = 1: that target's plan as it "
+                "is); 'auto' (the default): 2 levels, and on up while the last level's first plan peaks over the "
                 "next level's fastest plan; 'grid': every level up to the top, so that the estimated peak never rises "
                 "as the budget falls across the grid's targets (planning takes 2-4x longer)",
     "blocks_alike": "plan repeated blocks (the ops of model.layers.0, model.layers.1, ...) alike, so that Inductor "
@@ -72,8 +72,8 @@ class BackendOptions:
     schedule: bool = True
     rerun: object = "auto"  # "auto", True or False
     peak_slack: float = 0.03
-    monotone: Union[int, str] = 2  # levels of the grid the envelope holds in turn (int), "auto" (2, more past
-    # a bump: passes/peak.py monotone_peak), or "grid": all
+    monotone: Union[int, str] = "auto"  # levels of the grid the envelope holds in turn (int), "auto" (2, more
+    # past a bump: passes/peak.py monotone_peak), or "grid": all
     memory_budget: Optional[Budget] = None
     peak_budget: Optional[int] = None  # this graph's own cap in bytes (remat_fx/step.py sets it per graph)
     peak_fraction: Optional[float] = None  # a fraction peak_budget, resolved by this graph against its own range
@@ -163,7 +163,7 @@ def _monotone(value, what):
         return 1
     if value in ("auto", "grid") or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
-    raise OptionError(f"{what} must be an int >= 1 (the levels of the grid held in turn; default 2), 'auto' (2, "
+    raise OptionError(f"{what} must be an int >= 1 (the levels of the grid held in turn), 'auto' (the default: 2, "
                       f"more past a bump), 'nearest' (1) or 'grid', got {value!r}{did_you_mean(value, MONOTONE)}")
 
 

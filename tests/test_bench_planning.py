@@ -201,8 +201,8 @@ def test_planning_benchmark_says_where_the_estimated_peak_rises_as_the_budget_fa
     first budget whose estimated peak is over the lowest of the larger budgets', named with both;
     none with fewer than two fractions (a byte budget is not on their scale)."""
     mib = 2 ** 20
-    assert planning.verdict("default", {"0": 19.7 * mib, "0.3": 16 * mib, "0.1": 12.8 * mib, "0.05": 22.65 * mib}) \
-        == "monotone=default: the estimated peak **rises** as the budget falls: 0.05 at 22.65 MiB over 0.1's " \
+    assert planning.verdict("2", {"0": 19.7 * mib, "0.3": 16 * mib, "0.1": 12.8 * mib, "0.05": 22.65 * mib}) \
+        == "monotone=2: the estimated peak **rises** as the budget falls: 0.05 at 22.65 MiB over 0.1's " \
            "12.80 MiB (+77%)"
     assert planning.verdict("grid", {"0.3": 16 * mib, "0.1": 12.8 * mib, "0": 12.8 * mib}) == \
         "monotone=grid: the estimated peak does not rise as the budget falls (0.3 to 0)"

@@ -36,8 +36,8 @@ def _compile(fn, **options):
     ({"monotone": 3, "memory_budget": 0.3, "peak_budget": "1MiB"},  # any monotone given, not only 'grid'
      r"option 'monotone'=3 holds a memory_budget's .* and a peak_budget is set"),
     ({"monotone": "nearest", "memory_budget": 0.3, "peak_slack": 0}, r"option 'monotone'=1 holds .* peak_slack is 0"),
-    ({"monotone": "grids"}, r"option 'monotone' must be an int >= 1 \(the levels of the grid held in turn; default 2\), "
-                            r"'auto' \(2, more past a bump\), 'nearest' \(1\) or 'grid', got 'grids' "
+    ({"monotone": "grids"}, r"option 'monotone' must be an int >= 1 \(the levels of the grid held in turn\), "
+                            r"'auto' \(the default: 2, more past a bump\), 'nearest' \(1\) or 'grid', got 'grids' "
                             r"\(did you mean 'grid'\?\)"),
     ({"monotone": "Auto"}, r"option 'monotone' must be an int >= 1 .*, got 'Auto' \(did you mean 'auto'\?\)"),
     ({"monotone": 0}, r"option 'monotone' must be an int >= 1 .*, got 0\b"),
@@ -53,11 +53,12 @@ def test_bad_options_are_rejected(options, message):
 
 def test_monotone_grid_needs_no_memory_budget_of_its_own():
     """remat.fit gives the step's graphs their memory budget: monotone='grid' is kept for those plans.
-    The levels: 2 by default, 'auto' 2 and more past a bump, 'nearest' 1."""
+    The levels: 'auto' by default, 2 and more past a bump; an int as it is; 'nearest' 1."""
     from remat_fx.options import monotone_extends, monotone_levels, parse_options
 
     assert parse_options({"monotone": "grid"}).monotone == "grid"
-    assert parse_options({}).monotone == 2
+    assert parse_options({}).monotone == "auto"
+    assert parse_options({"monotone": 2}).monotone == 2
     assert parse_options({"monotone": "auto"}).monotone == "auto"
     assert parse_options({"monotone": "nearest"}).monotone == 1
     assert parse_options({"monotone": 3}).monotone == 3
