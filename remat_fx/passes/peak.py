@@ -921,28 +921,28 @@ def monotone_peak(cut, budgets, chosen, slack: float, levels: Optional[int] = 2,
     held under the plan budget 0.05's own compile makes (one level more than ``levels``), by reruns
     whatever their time, else it takes the least peak they find.
 
-    ``levels`` (option monotone): the nearby target's plan is itself held the same way under the
-    target above it, ``levels`` targets up in all (1: lower_peak's plan of the nearest target as it
-    is; None, monotone="grid": every target up to the top of the grid, so that down the grid's
-    targets the estimated peak never rises, at 2-4x the planning). Each level costs one to five
-    partitions, each with a rerun search. Two (the default from 2026-11-30) hold the nearest target
-    under the next one: with 1, an 8-layer Llama's budget 0.05 was compared with 0.1's first plan (22.27 MiB) and
-    kept 22.27 MiB where 0.1's own compile held it at 21.27 MiB under 0.15's (docs/budgets.md).
-    ``extend`` (monotone="auto", the default since 2026-12-06: ``levels`` 2): where the chain's last level's first plan
-    peaks over the fastest plan of the grid target above it (a bump: that level's own compile holds
+    ``levels`` (option monotone): the nearby target's plan is itself held the same way under the target
+    above it, ``levels`` targets up in all (1: lower_peak's plan of the nearest target as it is; None,
+    monotone="grid": every target up to the top of the grid, so that down the grid's targets the
+    estimated peak never rises, at 2-4x the planning). Each level costs one to five partitions, each
+    with a rerun search. Two (the default from 2026-11-30) hold the nearest target under the next one:
+    with 1, an 8-layer Llama's budget 0.05 was compared with 0.1's first plan (22.27 MiB) and kept 22.27
+    MiB where 0.1's own compile held it at 21.27 MiB under 0.15's (docs/budgets.md). ``extend``
+    (monotone="auto", the default since 2026-12-06: ``levels`` 2): where the chain's last level's first
+    plan peaks over the fastest plan of the grid target above it (a bump: that level's own compile holds
     it lower), the chain goes on up, level by level, to the first level that does not (planned as on
     CUDA, benchmarks/gpu.py's Llama in bf16 at budget 0.05: 0.1's plan held under 0.15's first plan,
     24.04 MiB, a bump over 0.2's 15.71, kept 0.05 at 22.65 MiB where 0.1's own compile gives 12.80;
-    extended to 0.2, 12.79 MiB, as the grid's). The check compares with the next level's fastest
-    plan, reruns included (its plan, after the peak tie-break, peaks at or under that: a bump within
-    the tie-break's gain goes unseen; against its partition without reruns, a check of one partition
-    and no rerun search, the same Llama in float32 kept 0.1 at 26.00 MiB over 0.2's 24.00: 0.2's first
-    plan, 26.31, is a bump over 0.25's plan, not over its partition); each extension costs that
-    level's plans. Not monotone by construction: a level under its neighbour above can still be over
-    that neighbour's own envelope. Made the default once its tighter bound at budget 0 no longer
-    gave the test GPT a plan of whole blocks rerun toward it that the least peak's plan beats in
-    peak and time (passes/rerun.py: the values' search toward the blocks' plan's peak;
-    docs/budgets.md, "monotone='auto': on up past a bump").
+    extended to 0.2, 12.79 MiB, as the grid's). The check compares with the next level's fastest plan,
+    reruns included (its plan, after the peak tie-break, peaks at or under that: a bump within the
+    tie-break's gain goes unseen; against its partition without reruns, a check of one partition and no
+    rerun search, the same Llama in float32 kept 0.1 at 26.00 MiB over 0.2's 24.00: 0.2's first plan,
+    26.31, is a bump over 0.25's plan, not over its partition); each extension costs that level's plans.
+    Not monotone by construction: a level under its neighbour above can still be over that neighbour's
+    own envelope. Made the default once its tighter bound at budget 0 no longer gave the test GPT a plan
+    of whole blocks rerun toward it that the least peak's plan beats in peak and time (passes/rerun.py:
+    the values' search toward the blocks' plan's peak; docs/budgets.md, "monotone='auto': on up past a
+    bump").
     ``cut(budgets, fastest_s, cap)`` returns (fw, bw, plan, tags) and caches by its arguments, so a
     target solved for one comparison is not solved again."""
     return _envelope(cut, budgets, chosen, slack, levels, extend)[0]

@@ -289,7 +289,7 @@ class Searched:
     is never gone on from): of every program simulated only its state is kept, which is all a
     search that tries it again needs to pass it over (the same program has the same state). As on
     CUDA, the bf16 Llama of benchmarks/planning.py --as-cuda simulated 704 / 810 programs at budgets
-    0.05 / 0 where it took 852 / 954 (628 / 632 with every program kept, at 600 MB more), the same
+    0.05 / 0 where it took 852 / 954 (628 / 632 with every program kept, at 300 MB more), the same
     plans: planning 17.1-18.0 s at 0.05 against 19.1-19.5 s, two runs each."""
 
     limit = 300_000
