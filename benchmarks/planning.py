@@ -231,7 +231,7 @@ def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", default="0.1,0.05,0")
     p.add_argument("--monotone", default="default",
-                   help="comma-separated: default (left out: 2 levels), auto, a number of levels (1 = nearest), grid")
+                   help="comma-separated: default (left out: auto), auto, a number of levels (1 = nearest), grid")
     p.add_argument("--lower", default="inductor", choices=("inductor", "eager"))
     add_shape_args(p, intermediate=352, heads=1)  # benchmarks/gpu.py's Llama
     p.add_argument("--repeat", type=int, default=1, help="plan each variant this many times, keep the fastest")

@@ -384,11 +384,11 @@ def writes_apart(writer, dying, inputs: Callable, src: Callable, inside: Set, ke
         return first is None or key(first) != dying
     if _on_cpu(src(writer)):
         return False
-    body, stack = [], [writer]
+    body, stack = {}, [writer]  # ordered, as found
     while stack:
         for m in inputs(stack.pop()):
             if m in inside and m not in body:
-                body.append(m)
+                body[m] = None
                 stack.append(m)
     if not any(src(m).target in _UNMERGED for m in body):
         return False

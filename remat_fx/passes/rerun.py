@@ -180,7 +180,9 @@ class _Program:
 
         def apart(writer, dying) -> bool:
             if not inside:
-                inside.append(inlined | {item for item in items if node_facts(item.src, self.facts).view})
+                facts = self.facts
+                inside.append(inlined | {item for item in items
+                                         if (facts.get(item.src) or node_facts(item.src, facts)).view})
             return writes_apart(writer, dying, lambda x: x.ins.values(), lambda x: x.src, inside[0],
                                 lambda x: memo[x] if x in memo else self.root(x, memo))
         return apart
