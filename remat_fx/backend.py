@@ -9,6 +9,7 @@ works without importing remat_fx first.
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 
@@ -25,7 +26,22 @@ def backend(gm, example_inputs, options=None):
         # Dynamo re-raises it as it is (not as BackendCompilerFailed), its traceback cut to start here
         e.first_useful_frame = inspect.currentframe()
         raise
+    _warn_torch_budget(parsed)
     return compile_graph(gm, example_inputs, parsed)
+
+
+def _warn_torch_budget(parsed) -> None:
+    """PyTorch's own budget knob set, and no budget in remat's options: remat plans the graph without
+    a budget (its min-cut runs with PyTorch's knob at 1.0), which a user coming from PyTorch would
+    not expect. Said once per graph compiled, where the compile reads it."""
+    theirs = torch._functorch.config.activation_memory_budget
+    if theirs != 1.0 and parsed.memory_budget is None and parsed.step_peak is None and parsed.peak_budget is None \
+            and parsed.peak_fraction is None:
+        warnings.warn(f"remat_fx: torch._functorch.config.activation_memory_budget is {theirs!r}, and backend "
+                      f"'remat' does not read it: this graph is planned without a memory budget. Pass "
+                      f"options={{'memory_budget': {theirs!r}}} to torch.compile (the same meaning: a fraction of "
+                      f"the saved bytes between the least and the most), or set the knob back to 1.0.",
+                      UserWarning, stacklevel=2)
 
 
 # torch.compile's own keywords that remat_fx.compile passes on; every other keyword is a remat option

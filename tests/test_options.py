@@ -131,3 +131,25 @@ def test_a_size_too_large_for_a_number_of_bytes_is_named(option):
     with pytest.raises(remat.OptionError, match=rf"^remat_fx.compile: option '{option}' takes a fraction .*; got "
                                                 r"'1e400MiB' \(too large to be a number of bytes\)"):
         remat.compile(_model(), **{option: "1e400MiB"})
+
+
+def test_pytorchs_own_budget_knob_is_said_to_be_unread_when_remat_has_no_budget():
+    """A user coming from PyTorch sets torch._functorch.config.activation_memory_budget and compiles
+    with backend="remat": remat plans without a budget (it runs PyTorch's min-cut with the knob at 1),
+    and says so at the compile, naming the option to pass; with a remat budget, nothing is said."""
+    import warnings
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch._functorch.config.patch(activation_memory_budget=0.25):
+        torch._dynamo.reset()
+        with pytest.warns(UserWarning, match=r"^remat_fx: torch._functorch.config.activation_memory_budget is 0.25, "
+                                             r"and backend 'remat' does not read it: this graph is planned without a "
+                                             r"memory budget. Pass options=\{'memory_budget': 0.25\} to torch.compile"):
+            torch.compile(_model(), backend="remat", options={"lower": "eager"})(x).sum().backward()
+        assert remat.last_plan().budget is None
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*activation_memory_budget")
+            torch.compile(_model(), backend="remat", options={"lower": "eager", "memory_budget": 0.25})(x).sum().backward()
+        assert remat.last_plan().budget is not None
+    torch._dynamo.reset()
