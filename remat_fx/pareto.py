@@ -58,6 +58,9 @@ class ParetoPoint:
 def pareto(model_or_fn, example_inputs: Sequence, budgets: Sequence = DEFAULT_BUDGETS, *, options=None,
            out=None, progress: bool = True) -> List[ParetoPoint]:
     """Saved bytes and recompute cost of the ``remat`` plan at each budget (see module doc)."""
+    if not isinstance(example_inputs, (tuple, list)):  # a tensor would be split into its rows
+        raise TypeError(f"remat_fx.pareto: example_inputs must be a tuple or list of the model's arguments, got "
+                        f"{type(example_inputs).__name__}; write (x,) for one argument")
     budgets = list(budgets)
     if not budgets or any(b is None for b in budgets):
         raise ValueError(f"remat_fx.pareto: budgets must be a non-empty list of fractions or sizes, got {budgets!r}")

@@ -631,6 +631,15 @@ def test_pareto_writes_table_csv_plot(tmp_path):
     assert len(csv) == 4 and csv[0].split(",")[-1] == "solve_ms"  # the figures; each point's plans are not in it
 
 
+def test_pareto_refuses_a_tensor_for_its_example_inputs():
+    """A tensor where the tuple of the model's arguments goes would be split into its rows (a model of one
+    argument traced on one row, or called with several): refused, before anything is traced."""
+    model, inputs = _mlp()
+    with pytest.raises(TypeError, match=r"^remat_fx.pareto: example_inputs must be a tuple or list of the model's "
+                                        r"arguments, got Tensor; write \(x,\) for one argument$"):
+        remat.pareto(model, inputs[0], [0.0], options={"lower": "eager"}, progress=False)
+
+
 @pytest.mark.slow
 def test_pareto_cli(tmp_path):
     import pathlib
