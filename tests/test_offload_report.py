@@ -162,3 +162,31 @@ def test_default_offloader_moves_cuda_tensors_to_pinned_host():
     slot = remat.runtime.report.find_tapes(out)[0].records[0].saved[0]
     assert slot.value.host.device.type == "cpu" and slot.value.host.is_pinned()
     assert_equal_grads(grads(out, [x, w1, w2]), want)
+
+
+def test_compiler_mode_says_it_keeps_offload_as_save():
+    """Compiler mode has no offload planning (the gap above): an OFFLOAD op's values are saved on the
+    device and the offloader is never called. The compile says so once, naming them, and the plan's
+    reason for each says it; the gradients are the eager run's."""
+    import warnings
+
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    block = _block(w1, w2)
+    want = grads(block(x).sum(), [x, w1, w2])
+    off = CountingOffloader()
+    torch._dynamo.reset()
+    step = torch.compile(lambda x: remat.checkpoint("r", offloader=off)(block)(x).sum(), backend="remat",
+                         options={"lower": "eager"}, fullgraph=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = step(x)
+    said = [str(w.message) for w in seen if "offload" in str(w.message)]
+    assert said == ["remat_fx: compiler mode does not offload: 1 value(s) marked OFFLOAD (a) are kept on the device "
+                    "as SAVE and no offloader is called. Run the region eagerly (the named tape offloads them) or "
+                    "mark them SAVE."], said
+    assert off.log == []
+    reasons = {s.name: s.reason for s in remat.last_plan().saved}
+    assert reasons["a"] == "OFFLOAD at the call site of 'a' (kept on the device as SAVE: compiler mode does not offload)"
+    assert_equal_grads(grads(out, [x, w1, w2]), want)
+    torch._dynamo.reset()

@@ -150,6 +150,7 @@ def test_pytorchs_own_budget_knob_is_said_to_be_unread_when_remat_has_no_budget(
         torch._dynamo.reset()
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*activation_memory_budget")
-            torch.compile(_model(), backend="remat", options={"lower": "eager", "memory_budget": 0.25})(x).sum().backward()
+            options = {"lower": "eager", "memory_budget": 0.25}
+            torch.compile(_model(), backend="remat", options=options)(x).sum().backward()
         assert remat.last_plan().budget is not None
     torch._dynamo.reset()

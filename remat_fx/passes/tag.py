@@ -103,10 +103,11 @@ def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions,
         return Tag(TorchPolicy.MUST_SAVE, "random op: saved so backward sees the forward's values")
     if by_option is not None:
         kind, module = by_option
-        return Tag(_MUST[kind], f"backend option {kind.lower()} glob" + _output_of(module))
+        return Tag(_MUST[kind], f"backend option {kind.lower()} glob" + _output_of(module) + _AS_SAVE.get(kind, ""))
     if by_region is not None:
         kind, module = by_region
-        return Tag(_MUST[kind], f"region '{custom.get(META_REGION)}' {kind.lower()} glob" + _output_of(module))
+        return Tag(_MUST[kind], f"region '{custom.get(META_REGION)}' {kind.lower()} glob" + _output_of(module)
+                   + _AS_SAVE.get(kind, ""))
     region = node.meta.get("ac_graph_id")
     in_region = region is not None or custom.get(META_REGION) is not None
     if in_region and any(u in joint.forward and u.meta.get("ac_graph_id") != region for u in node.users):
@@ -117,10 +118,15 @@ def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions,
             and not (_is_layout(node) and written != "RECOMPUTE"):
         # (outside a checkpoint region a call-site policy decides nothing, as on the eager tape)
         # (views and copies inside a SAVE op are free to redo from what they copy: that decides)
-        return Tag(_MUST[written], f"{written} at the call site of '{custom[META_NAME]}'")
+        return Tag(_MUST[written], f"{written} at the call site of '{custom[META_NAME]}'" + _AS_SAVE.get(written, ""))
     if in_region:
         return Tag(TorchPolicy.PREFER_RECOMPUTE, f"inside checkpoint region '{custom.get(META_REGION, '?')}'")
     return None
+
+
+# compiler mode has no offload planning (docs/differences.md, Known gaps): an OFFLOAD is kept as SAVE, said
+# in the tag's reason and in one warning per compile (tag_joint)
+_AS_SAVE = {"OFFLOAD": " (kept on the device as SAVE: compiler mode does not offload)"}
 
 
 def _output_of(module: Optional[str]) -> str:
@@ -157,7 +163,21 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
                 tags[user] = tags[node]
     for node, tag in tags.items():
         node.meta["recompute"] = tag.policy
+    _warn_offload(joint, tags, options.warned)
     return tags
+
+
+def _warn_offload(joint: JointGraph, tags: Dict[fx.Node, Tag], warned: set) -> None:
+    """One warning per compile where values marked OFFLOAD are kept as SAVE: the user's offloader is
+    never called and those bytes stay on the device, which a step sized for offloading may not fit."""
+    names = sorted({joint.names.get(n, n.name) for n, tag in tags.items() if tag.reason.endswith(_AS_SAVE["OFFLOAD"])})
+    if not names or "offload" in warned:
+        return
+    warned.add("offload")
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    warnings.warn(f"remat_fx: compiler mode does not offload: {len(names)} value(s) marked OFFLOAD ({shown}) are "
+                  f"kept on the device as SAVE and no offloader is called. Run the region eagerly (the named tape "
+                  f"offloads them) or mark them SAVE.", UserWarning, stacklevel=3)
 
 
 def _warn_unmatched(joint: JointGraph, nodes: Iterable[fx.Node], unmatched: List[Tuple[str, str]], where: str,
