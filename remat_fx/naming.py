@@ -18,6 +18,8 @@ def _as_patterns(value, option: str) -> tuple:
         return ()
     if isinstance(value, str):
         value = [value]
+    if isinstance(value, dict):  # its keys would be read as the globs, its values dropped
+        raise ValueError(f"option {option!r} must be a glob string or a list of them, got a dict {value!r}")
     try:
         pats = tuple(value)
     except TypeError:
@@ -41,6 +43,12 @@ class NameGlobs:
         self.save = _as_patterns(save, "save")
         self.offload = _as_patterns(offload, "offload")
         self.recompute = _as_patterns(recompute, "recompute")
+        # the same glob in two kinds: the first of RECOMPUTE > OFFLOAD > SAVE wins, the other is dead
+        for loser, winner in (("save", "recompute"), ("offload", "recompute"), ("save", "offload")):
+            both = [p for p in getattr(self, loser) if p in getattr(self, winner)]
+            if both:
+                raise ValueError(f"glob {both[0]!r} is in both {loser}= and {winner}=: {winner.upper()} wins a "
+                                 f"conflict, so it would never {loser} anything; keep it in one of the two")
         self._cache: dict = {}
 
     def __bool__(self) -> bool:

@@ -311,6 +311,10 @@ def parse_options(options, where: str = "backend 'remat'") -> BackendOptions:
     if "monotone" in checked:  # as given: 'grid', 'nearest' or a number of levels
         _check_grid(checked, where)
     budget = None if peak is None or peak == "auto" else peak
+    try:
+        globs = NameGlobs(save=checked.get("save", ()), recompute=checked.get("recompute", ()))
+    except ValueError as e:
+        raise OptionError(f"{where}: {e}") from None
     return BackendOptions(save=checked.get("save", ()), recompute=checked.get("recompute", ()),
                           lower=checked.get("lower", "inductor"), report=checked.get("report", False),
                           schedule=checked.get("schedule", True), rerun=checked.get("rerun", "auto"),
@@ -322,4 +326,4 @@ def parse_options(options, where: str = "backend 'remat'") -> BackendOptions:
                           cost_model=checked["cost_model"], roofline=checked.get("roofline"),
                           solver=checked["solver"], solver_time_limit=checked["solver_time_limit"],
                           blocks_alike=checked.get("blocks_alike", BackendOptions.blocks_alike),
-                          globs=NameGlobs(save=checked.get("save", ()), recompute=checked.get("recompute", ())))
+                          globs=globs)

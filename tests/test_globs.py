@@ -191,3 +191,51 @@ def test_a_region_that_falls_back_to_the_tape_under_compile_has_its_globs_judged
                          "module's output, *.qkv) exist only under torch.compile(backend='remat')."]
                         if said else []), msgs
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_a_glob_a_stronger_kind_shadows_whole_warns_in_both_modes(mode, monkeypatch):
+    """RECOMPUTE > OFFLOAD > SAVE on a conflict: a save glob that matches only what a recompute glob
+    also takes decides nothing, which was silent (the plan just saved less). It warns, naming the
+    ops and the fix, in both modes; one that still decides some op stays silent. The same glob in
+    both lists is refused where it is written."""
+    from remat_fx.runtime import checkpoint as region
+
+    monkeypatch.setattr(region, "_GLOBS_SEEN", set())
+    monkeypatch.setattr(region, "_GLOBS_PENDING", {})
+    w1, w2 = torch.randn(8, 16, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+
+    def block(x):
+        h = remat.native_op(torch.mm, "layers.0.up")(x, w1)
+        return remat.native_op(torch.mm, "layers.0.down")(torch.nn.functional.gelu(h), w2)
+
+    def run(name, **globs):
+        torch._dynamo.reset()
+        step = lambda x: remat.checkpoint(name, **globs)(block)(x).sum()  # noqa: E731
+        if mode == "compile":
+            step = torch.compile(step, backend="remat", options={"lower": "eager"}, fullgraph=True)
+        step(torch.randn(4, 8, requires_grad=True)).backward()
+
+    with pytest.warns(UserWarning, match=r"^remat_fx: region 'shadowed' save glob '\*\.up' decides nothing( in this "
+                                         r"graph)?: all it selects \(layers\.0\.up[^)]*\) a recompute glob selects "
+                                         r"too, and RECOMPUTE wins a conflict \(RECOMPUTE > OFFLOAD > SAVE\)\. "
+                                         r"Narrow the recompute glob, or drop this one\.$"):
+        run("shadowed", save=["*.up"], recompute=["layers.*"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        run("apart", save=["*.up"], recompute=["*.down"])
+    with pytest.raises(ValueError, match=r"^remat.checkpoint: glob '\*\.up' is in both save= and recompute=: "
+                                         r"RECOMPUTE wins a conflict, so it would never save anything; keep it in "
+                                         r"one of the two$"):
+        remat.checkpoint("both", save="*.up", recompute=["*.up"])
+    torch._dynamo.reset()
+
+
+def test_the_same_glob_in_save_and_recompute_options_is_refused_where_written():
+    with pytest.raises(remat.OptionError, match=r"^remat_fx.compile: glob '\*\.qkv' is in both save= and "
+                                                r"recompute=: RECOMPUTE wins a conflict, so it would never save "
+                                                r"anything; keep it in one of the two$"):
+        remat.compile(Model(), save=["*.qkv"], recompute="*.qkv")
+    with pytest.raises(remat.OptionError, match=r"option 'save' must be a glob string or a list of them, got a "
+                                                r"dict \{'\*\.qkv': True\}"):
+        remat.compile(Model(), save={"*.qkv": True})

@@ -187,6 +187,7 @@ def test_compiler_mode_says_it_keeps_offload_as_save():
                     "mark them SAVE."], said
     assert off.log == []
     reasons = {s.name: s.reason for s in remat.last_plan().saved}
-    assert reasons["a"] == "OFFLOAD at the call site of 'a' (kept on the device as SAVE: compiler mode does not offload)"
+    assert reasons["a"] == ("OFFLOAD at the call site of 'a' (kept on the device as SAVE: compiler mode does "
+                            "not offload)")
     assert_equal_grads(grads(out, [x, w1, w2]), want)
     torch._dynamo.reset()

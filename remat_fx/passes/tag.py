@@ -65,9 +65,11 @@ Selected = Tuple[str, Optional[str]]
 
 
 def select(joint: JointGraph, globs: NameGlobs, nodes: Iterable[fx.Node]) -> Tuple[Dict[fx.Node, Selected],
-                                                                                  List[Tuple[str, str]]]:
+                                                                                  List[Tuple[str, str, list]]]:
     """What ``globs`` select among the forward ``nodes``: {node: (kind, module or None)}, and the
-    (kind, glob) pairs that select nothing. A glob selects the nodes whose name it matches and, for
+    (kind, glob, shadowed) triples of the globs that decide nothing: ``shadowed`` is empty where the glob
+    matches nothing, else the (node, kind) pairs of a stronger kind that took everything it matches.
+    A glob selects the nodes whose name it matches and, for
     each module path it matches while matching none of that module's node names (``*.qkv`` against
     ``layers.0.qkv``, whose nodes are ``layers.0.qkv.addmm``, ``layers.0.qkv.view``), that module's
     output (capture.module_outputs). When several kinds select a node, RECOMPUTE > OFFLOAD > SAVE,
@@ -78,7 +80,7 @@ def select(joint: JointGraph, globs: NameGlobs, nodes: Iterable[fx.Node]) -> Tup
         for path in joint.paths.get(node, ()):
             members.setdefault(path, set()).add(node)
     chosen: Dict[fx.Node, Selected] = {}
-    unmatched: List[Tuple[str, str]] = []
+    unmatched: List[Tuple[str, str, list]] = []
     for kind, patterns in (("RECOMPUTE", globs.recompute), ("OFFLOAD", globs.offload), ("SAVE", globs.save)):
         for pattern in patterns:
             named = {n for n in nodes if fnmatch.fnmatchcase(joint.names[n], pattern)}
@@ -87,8 +89,9 @@ def select(joint: JointGraph, globs: NameGlobs, nodes: Iterable[fx.Node]) -> Tup
                 if fnmatch.fnmatchcase(path, pattern) and inside.isdisjoint(named):
                     for out in module_outputs(joint, inside):
                         found.setdefault(out, path)
-            if not found:
-                unmatched.append((kind, pattern))
+            taken = [(node, chosen[node][0]) for node in found if node in chosen and chosen[node][0] != kind]
+            if not found or len(taken) == len(found):
+                unmatched.append((kind, pattern, taken))
             for node, module in found.items():
                 chosen.setdefault(node, (kind, module))
     return chosen, unmatched
@@ -180,23 +183,32 @@ def _warn_offload(joint: JointGraph, tags: Dict[fx.Node, Tag], warned: set) -> N
                   f"offloads them) or mark them SAVE.", UserWarning, stacklevel=3)
 
 
-def _warn_unmatched(joint: JointGraph, nodes: Iterable[fx.Node], unmatched: List[Tuple[str, str]], where: str,
-                    warned: set) -> None:
-    """One warning per glob that selects nothing in this graph, once per compile (``warned``: the
-    options' record; the step planner partitions a graph again with copies of the same options)."""
+def _warn_unmatched(joint: JointGraph, nodes: Iterable[fx.Node], unmatched: List[Tuple[str, str, list]],
+                    where: str, warned: set) -> None:
+    """One warning per glob that decides nothing in this graph (it matches nothing, or only what a
+    stronger kind's glob took), once per compile (``warned``: the options' record; the step planner
+    partitions a graph again with copies of the same options)."""
     if not unmatched:
         return
     order = {n: i for i, n in enumerate(joint.gm.graph.nodes)}
     nodes = sorted((n for n in nodes if n in joint.names), key=order.__getitem__)
     names = list(dict.fromkeys(joint.names[n] for n in nodes))
     paths = list(dict.fromkeys(p for n in nodes for p in joint.paths.get(n, ())))
-    for kind, pattern in unmatched:
+    for kind, pattern, taken in unmatched:
         key = (where, kind, pattern)
         if key in warned:
             continue
         warned.add(key)
-        warnings.warn(unmatched_message(pattern, f"{where} {kind.lower()}", names, paths), UserWarning,
-                      stacklevel=3)
+        if taken:
+            winner = taken[0][1]
+            shown = list(dict.fromkeys(joint.names[n] for n, _ in sorted(taken, key=lambda t: order[t[0]])))
+            text = (f"remat_fx: {where} {kind.lower()} glob '{pattern}' decides nothing in this graph: all it "
+                    f"selects ({', '.join(shown[:3])}{', ...' if len(shown) > 3 else ''}) a {winner.lower()} glob "
+                    f"selects too, and {winner} wins a conflict (RECOMPUTE > OFFLOAD > SAVE). Narrow the "
+                    f"{winner.lower()} glob, or drop this one.")
+        else:
+            text = unmatched_message(pattern, f"{where} {kind.lower()}", names, paths)
+        warnings.warn(text, UserWarning, stacklevel=3)
 
 
 def unmatched_message(pattern: str, what: str, names: List[str], paths: List[str]) -> str:

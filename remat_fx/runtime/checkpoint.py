@@ -76,7 +76,10 @@ def checkpoint(name=None, /, **options):
         if flag in options and not isinstance(options[flag], bool):
             raise TypeError(f"remat.checkpoint: {flag} must be True or False, got {options[flag]!r}")
     # checked here, where the user states them, not when the options are bound to a function or run
-    globs = NameGlobs(options.get("save"), options.get("offload"), options.get("recompute"))
+    try:
+        globs = NameGlobs(options.get("save"), options.get("offload"), options.get("recompute"))
+    except ValueError as e:
+        raise ValueError(f"remat.checkpoint: {e}") from None
     if options.get("offloader") is not None:
         check_offloader(options["offloader"])
 
@@ -219,8 +222,16 @@ def _note_globs(region: "Checkpointed", tape: Tape) -> None:
                 continue
             if names is None:
                 names = [rec.name for rec in tape.records if not rec.name.startswith("region:")]
-            entry = _GLOBS_PENDING.setdefault(key, [False, {}])
-            entry[0] = entry[0] or any(fnmatch.fnmatchcase(n, pattern) for n in names)
+            # [decided an op's policy on some call, the names those calls ran, {name: the stronger kind
+            # whose glob took it}: a glob that matches only what a stronger kind takes decides nothing]
+            entry = _GLOBS_PENDING.setdefault(key, [False, {}, {}])
+            for n in names:
+                if not entry[0] and fnmatch.fnmatchcase(n, pattern):
+                    winner = region.globs.match(n)
+                    if winner == kind.upper():
+                        entry[0] = True
+                    elif len(entry[2]) < 256:
+                        entry[2][n] = winner
             if not entry[0] and len(entry[1]) < 256:
                 entry[1].update(dict.fromkeys(names))
 
@@ -232,9 +243,18 @@ def _report_globs() -> None:
         return
     pending = list(_GLOBS_PENDING.items())
     _GLOBS_PENDING.clear()
-    for (name, kind, pattern), (matched, seen) in pending:
+    for (name, kind, pattern), (matched, seen, taken) in pending:
         _GLOBS_SEEN.add((name, kind, pattern))
         if matched:
+            continue
+        if taken:
+            winner = next(iter(taken.values()))
+            shown = list(taken)
+            warnings.warn(
+                f"remat_fx: region '{name}' {kind} glob '{pattern}' decides nothing: all it selects "
+                f"({', '.join(shown[:3])}{', ...' if len(shown) > 3 else ''}) a {winner.lower()} glob selects too, "
+                f"and {winner} wins a conflict (RECOMPUTE > OFFLOAD > SAVE). Narrow the {winner.lower()} glob, "
+                "or drop this one.", UserWarning, stacklevel=_users_level())
             continue
         names = list(seen)
         suggestions = close_globs(pattern, names)
