@@ -310,6 +310,10 @@ def parse_options(options, where: str = "backend 'remat'") -> BackendOptions:
     peak = checked.get("peak_budget")
     if "monotone" in checked:  # as given: 'grid', 'nearest' or a number of levels
         _check_grid(checked, where)
+    if "peak_slack" in checked and peak is not None:
+        raise OptionError(f"{where}: option 'peak_slack'={checked['peak_slack']!r} bounds the step time a "
+                          f"memory_budget's plan may give up for a lower peak, and a peak_budget is set: the plan "
+                          f"is the fastest under that peak, whatever its time; drop peak_slack")
     budget = None if peak is None or peak == "auto" else peak
     try:
         globs = NameGlobs(save=checked.get("save", ()), recompute=checked.get("recompute", ()))

@@ -36,6 +36,9 @@ def _compile(fn, **options):
     ({"monotone": 3, "memory_budget": 0.3, "peak_budget": "1MiB"},  # any monotone given, not only 'grid'
      r"option 'monotone'=3 holds a memory_budget's .* and a peak_budget is set"),
     ({"monotone": "nearest", "memory_budget": 0.3, "peak_slack": 0}, r"option 'monotone'=1 holds .* peak_slack is 0"),
+    ({"peak_slack": 0.5, "peak_budget": 0.5},
+     r"option 'peak_slack'=0.5 bounds the step time a memory_budget's plan may give up for a lower peak, and a "
+     r"peak_budget is set: the plan is the fastest under that peak, whatever its time; drop peak_slack"),
     ({"monotone": "grids"}, r"option 'monotone' must be an int >= 1 \(the levels of the grid held in turn\), "
                             r"'auto' \(the default: 2, more past a bump\), 'nearest' \(1\) or 'grid', got 'grids' "
                             r"\(did you mean 'grid'\?\)"),

@@ -326,6 +326,8 @@ def _compile_options(rng: random.Random, program: Program, lower: str) -> Dict:
                         ("cost_model", ["auto", "roofline", "flops"])):
         if rng.random() < 0.1:
             options[key] = rng.choice(values)
+    if "peak_budget" in options:  # peak_slack would do nothing there, and is refused (options.parse_options)
+        options.pop("peak_slack", None)
     return options
 
 
