@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import pathlib
 import time
 import warnings
@@ -43,7 +42,7 @@ from remat_fx.memory_budget import fmt_bytes, parse_budget
 from remat_fx.options import BackendOptions
 from remat_fx.passes.peak import PeakInfeasible
 from remat_fx.passes.plan import record
-from remat_fx.plan_cache import cache_root, source_digest, write_atomic
+from remat_fx.plan_cache import cache_root, source_digest, switched_on, write_atomic
 from remat_fx.ranks import agreed, together
 from remat_fx.step import STEP, CompiledGraph, _signature, auto_limit, candidates, estimate_curve, shared_options
 
@@ -217,7 +216,7 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
         raise TypeError(f"remat_fx: remat.fit's cache must be True, False or None (the default: on unless "
                         f"REMAT_FX_PLAN_CACHE=0), got {cache!r}")
     if cache is None:  # the environment's switch turns off the default, not what the call asks for
-        cache = cache_dir is not None or os.environ.get("REMAT_FX_PLAN_CACHE", "1") != "0"
+        cache = cache_dir is not None or switched_on()
     if cache is False and cache_dir is not None:
         raise ValueError(f"remat_fx: remat.fit got cache=False and cache_dir={str(cache_dir)!r}: give one (cache_dir "
                          f"turns the cache on there)")

@@ -82,8 +82,24 @@ def write_atomic(path: pathlib.Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)  # a full disk: no partial file left behind
 
 
+_OFF, _ON = ("0", "false", "off", "no"), ("", "1", "true", "on", "yes")
+
+
+def switched_on() -> bool:
+    """The environment's switch, ``REMAT_FX_PLAN_CACHE``: 0 / false / off / no turn the cache off (any case),
+    1 / true / on / yes or unset leave it on; anything else is refused (a typo would otherwise leave it on)."""
+    value = os.environ.get("REMAT_FX_PLAN_CACHE", "1").strip().lower()
+    if value in _OFF:
+        return False
+    if value in _ON:
+        return True
+    raise ValueError(f"remat_fx: REMAT_FX_PLAN_CACHE={os.environ['REMAT_FX_PLAN_CACHE']!r} is neither on "
+                     f"({' / '.join(v for v in _ON if v)}) nor off ({' / '.join(_OFF)}); set it to 0 to turn the "
+                     f"plan cache off")
+
+
 def enabled(options) -> bool:
-    return os.environ.get("REMAT_FX_PLAN_CACHE", "1") != "0" and options.cost_model != "profile"
+    return switched_on() and options.cost_model != "profile"
 
 
 def _value(v) -> str:

@@ -118,6 +118,17 @@ def test_other_options_are_another_entry_and_the_cache_can_be_turned_off(tmp_pat
     plan, _ = _step(model, x, memory_budget=0.2)
     assert not plan.from_cache
     assert len(list((tmp_path / "plans").glob("plan-*.json"))) == 2
+    for off in ("off", "False", " no "):  # the switch's other spellings of off (only "0" was)
+        monkeypatch.setenv("REMAT_FX_PLAN_CACHE", off)
+        plan, _ = _step(model, x, memory_budget=0.2)
+        assert not plan.from_cache
+    assert len(list((tmp_path / "plans").glob("plan-*.json"))) == 2
+    from remat_fx.plan_cache import switched_on
+    monkeypatch.setenv("REMAT_FX_PLAN_CACHE", "of")  # a typo no longer leaves the cache on
+    with pytest.raises(ValueError, match=r"^remat_fx: REMAT_FX_PLAN_CACHE='of' is neither on \(1 / true / on / "
+                                         r"yes\) nor off \(0 / false / off / no\); set it to 0 to turn the plan "
+                                         r"cache off$"):
+        switched_on()
 
 
 def test_the_key_reads_the_module_paths_the_names_come_from(tmp_path, monkeypatch):
