@@ -239,3 +239,35 @@ def test_handles_pass_through_outside_regions():
     assert torch.allclose(gw, want, rtol=1e-6)
     assert not isinstance(out, remat.Placeholder)
     assert Linear is not None
+
+
+def test_a_direct_ctx_save_left_in_a_handle_function_is_refused_where_it_is_called():
+    """Converting a Function to the handle protocol and leaving its ``ctx.save_for_backward(x, w)`` line:
+    inside a region the two saves override each other, and the recompute failed at the first backward
+    with PyTorch's count mismatch naming neither the op nor the fix (or a SAVE op ran again, silently).
+    Refused in the forward, naming the op and the handle's call; outside a region the handle passes
+    through to ctx, and the direct call stays allowed there."""
+    class Converted(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            handle = remat.get_handle(ctx, "mlp.up", P.SAVE)
+            if (ret := handle.maybe_load_saved()) is not None:
+                return ret
+            out = x @ w
+            ctx.save_for_backward(x, w)  # left from the Function as it was written
+            handle.save_for_backward({"x": x, "w": w})
+            return handle.record_outputs(out)
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w.t(), x.t() @ g
+
+    x, w = torch.randn(2, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"^remat_fx: op 'mlp.up' called ctx.save_for_backward inside a "
+                                           r"remat.checkpoint region, where its Function took a remat handle: save "
+                                           r"through the handle instead, by name, handle.save_for_backward\("):
+        remat.checkpoint()(lambda x: Converted.apply(x, w).tanh())(x)
+    out = Converted.apply(x, w)  # no region: a pass-through, the direct call allowed
+    (gx,) = grads(out.sum(), [x])
+    assert torch.allclose(gx, torch.ones(2, 4) @ w.detach().t())

@@ -29,7 +29,25 @@ def get_handle(ctx, op_name: str, policy=None) -> "RematHandle":
     if torch.compiler.is_compiling():
         return TracedHandle(ctx, op_name, coerce_policy(policy, what=f"remat.get_handle('{op_name}')"))
     check_name(op_name, "remat.get_handle")
-    return RematHandle(ctx, op_name, coerce_policy(policy, what=f"remat.get_handle('{op_name}')"))
+    handle = RematHandle(ctx, op_name, coerce_policy(policy, what=f"remat.get_handle('{op_name}')"))
+    if handle.record is not None and ctx is not None:
+        _refuse_direct_saves(ctx, op_name)
+    return handle
+
+
+def _refuse_direct_saves(ctx, op_name: str) -> None:
+    """Inside a region, a handle's Function saves through the handle: a ``ctx.save_for_backward`` left
+    from the Function as it was written (the protocol replaces it) would override the handle's save or be
+    overridden by it, and the recompute then fails at the first backward with PyTorch's count mismatch
+    naming neither the op nor the fix, or a SAVE op silently runs again. Refused where it is called; the
+    handle itself saves through the ctx's class (``RematHandle._save``)."""
+    def refused(*tensors):
+        raise RuntimeError(
+            f"remat_fx: op '{op_name}' called ctx.save_for_backward inside a remat.checkpoint region, where its "
+            f"Function took a remat handle: save through the handle instead, by name, "
+            f"handle.save_for_backward({{'x': x, ...}}) (dict order = ctx.saved_tensors order), after "
+            f"`if (ret := handle.maybe_load_saved()) is not None: return ret`")
+    ctx.save_for_backward = refused
 
 
 class TracedHandle:
@@ -98,7 +116,7 @@ class RematHandle:
         tensors = [None if s is None else self.inputs[s.index] if isinstance(s, InputRef)
                    else s.load(self.tape, self.name) for s in rec.saved or ()]
         if self.ctx is not None:
-            self.ctx.save_for_backward(*tensors)
+            self._save(*tensors)
         if rec.rng_after is not None and self.tape.preserve_rng:
             rng_restore(rec.rng_after)
         outs = tuple(Placeholder.like(m, self.name) if m is not None else c
@@ -180,7 +198,11 @@ class RematHandle:
                 if self.policy.skips_recompute:
                     rec.saved = [self._keep(k, v) for k, v in tensors.items()]
         if self.ctx is not None:
-            self.ctx.save_for_backward(*values)
+            self._save(*values)
+
+    def _save(self, *tensors) -> None:
+        """``ctx.save_for_backward`` as its class defines it (get_handle refuses the user's direct call)."""
+        type(self.ctx).save_for_backward(self.ctx, *tensors)
 
     def _keep(self, name: str, t: Optional[torch.Tensor]):
         """How the tape keeps one of a SAVE op's backward tensors."""
