@@ -193,6 +193,13 @@ def test_bad_policy_and_names():
     with pytest.raises(TypeError, match="the op name must be a non-empty string"):
         remat.native_op(torch.mm, "", policy=P.SAVE)
     assert remat.op(Exp.apply, "x", policy="save")  # names are accepted, case-insensitive
+    # what is not callable, where it is named (it failed at the call: 'str' object is not callable)
+    with pytest.raises(TypeError, match=r"^remat.native_op\(fn, 'a'\): fn must be a PyTorch function or op "
+                                        r"\(torch.mm, F.gelu\), got str 'mm'$"):
+        remat.native_op("mm", "a")
+    with pytest.raises(TypeError, match=r"^remat.op\(fn, 'b'\): fn must be an autograd Function's apply "
+                                        r"\(Fn.apply\), got int 3$"):
+        remat.op(3, "b")
 
 
 def test_save_for_backward_needs_a_dict():

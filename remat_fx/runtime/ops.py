@@ -36,9 +36,16 @@ class _Pending:
 _PENDING: ContextVar[Optional[_Pending]] = ContextVar("remat_fx_pending_op", default=None)
 
 
+def _check_callable(fn, call: str, what: str) -> None:
+    """Where the op is named, not where it is first called (a string there failed as 'str' object is not callable)."""
+    if not callable(fn):
+        raise TypeError(f"{call}: fn must be {what}, got {type(fn).__name__} {fn!r}")
+
+
 def op(fn, name: str, policy=None):
     """Name one call of an ``auto_forward`` autograd Function: ``remat.op(Fn.apply, name, policy)(*args)``."""
     check_name(name, "remat.op")
+    _check_callable(fn, f"remat.op(fn, '{name}')", "an autograd Function's apply (Fn.apply)")
     policy = coerce_policy(policy, what=f"remat.op('{name}')")
 
     def call(*args, **kwargs):
@@ -132,6 +139,7 @@ def _must_save(ctx, func, *args, **kwargs):
 def native_op(fn, name: str, policy=None):
     """Name one call of native PyTorch ops: ``remat.native_op(torch.mm, name, policy)(x, w)``."""
     check_name(name, "remat.native_op")
+    _check_callable(fn, f"remat.native_op(fn, '{name}')", "a PyTorch function or op (torch.mm, F.gelu)")
     policy = coerce_policy(policy, what=f"remat.native_op('{name}')")
 
     def call(*args, **kwargs):
