@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -43,6 +44,10 @@ def parse_budget(value, what: str = "memory_budget",
             f"unit such as '512MiB', '1.5GB', '4096B' or '50%', or an int number of bytes > 1")
     if isinstance(value, bool):
         raise ValueError(f"{hint}; got {value!r}")
+    if isinstance(value, numbers.Integral):  # numpy's ints too, read as ints
+        value = int(value)
+    elif isinstance(value, numbers.Real):  # numpy's floats (np.float64 is a float, shown as itself), a Fraction
+        value = float(value)
     if isinstance(value, int):
         if value in (0, 1):
             return Budget(fraction=float(value))

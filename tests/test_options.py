@@ -154,3 +154,18 @@ def test_pytorchs_own_budget_knob_is_said_to_be_unread_when_remat_has_no_budget(
             torch.compile(_model(), backend="remat", options=options)(x).sum().backward()
         assert remat.last_plan().budget is not None
     torch._dynamo.reset()
+
+
+def test_numpy_numbers_are_read_as_the_python_numbers_they_hold():
+    """A budget computed with numpy (np.int64 bytes, np.float32 fractions) was refused as an unknown
+    type ("got int64 ..."); it is read as the int or float it holds, by the same rules."""
+    import numpy as np
+
+    from remat_fx.options import parse_options
+
+    assert parse_options({"memory_budget": np.int64(2**30)}).memory_budget.nbytes == 2**30
+    assert parse_options({"memory_budget": np.float64(0.25)}).memory_budget.fraction == 0.25
+    assert parse_options({"memory_budget": np.int64(1)}).memory_budget.fraction == 1.0  # 0 and 1: fractions
+    assert parse_options({"peak_budget": np.int64(2**20)}).peak_budget == 2**20
+    with pytest.raises(remat.OptionError, match=r"got 1.5 \(a float must be a fraction"):
+        parse_options({"memory_budget": np.float64(1.5)})
