@@ -3,6 +3,7 @@ model names, a device's roofline (peak FLOP/s, memory bandwidth, per-op overhead
 the ``roofline`` option's parsing."""
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -28,8 +29,12 @@ def parse_roofline(value) -> Optional[Roofline]:
         return value
     names = [f.name for f in fields(Roofline)]
     if not isinstance(value, dict) or set(value) - set(names):
+        unknown = [k for k in value if k not in names] if isinstance(value, dict) else []
+        close = difflib.get_close_matches(str(unknown[0]), names, n=1) if unknown else []
+        hint = f" (unknown key {unknown[0]!r}: did you mean {close[0]!r}?)" if close else \
+            f" (unknown key {unknown[0]!r})" if unknown else ""
         raise ValueError(f"backend 'remat': option 'roofline' must be a dict with keys from {names}, "
-                         f"got {value!r}")
+                         f"got {value!r}{hint}")
     for k, v in value.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (k != "op_overhead_s" and v == 0):
             raise ValueError(f"backend 'remat': option 'roofline': {k} must be a positive number, got {v!r}")

@@ -25,6 +25,8 @@ def _compile(fn, **options):
                           r"peak without a budget\), .*got a negative size -1; or 'auto'"),
     ({"cost_model": "vibes"}, r"option 'cost_model' must be one of \['auto', 'roofline', 'flops', 'profile'\]"),
     ({"roofline": {"flops": 1}}, r"option 'roofline' must be a dict with keys from \['flops_per_s'"),
+    ({"roofline": {"flop_per_s": 1e9}}, r"got \{'flop_per_s': 1000000000.0\} \(unknown key 'flop_per_s': did you "
+                                        r"mean 'flops_per_s'\?\)"),
     ({"lower": "triton"}, r"option 'lower' must be one of \['inductor', 'eager'\], got 'triton'"),
     ({"save": [1]}, r"option 'save' must hold glob strings, got 1"),
     ({"report": "yes"}, r"option 'report' must be True or False"),
