@@ -38,7 +38,7 @@ _PENDING: ContextVar[Optional[_Pending]] = ContextVar("remat_fx_pending_op", def
 
 def _check_callable(fn, call: str, what: str) -> None:
     """Where the op is named, not where it is first called (a string there failed as 'str' object is not callable)."""
-    if not callable(fn):
+    if not torch.compiler.is_compiling() and not callable(fn):  # (Dynamo cannot trace callable() on every fn)
         raise TypeError(f"{call}: fn must be {what}, got {type(fn).__name__} {fn!r}")
 
 
