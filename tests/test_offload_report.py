@@ -191,3 +191,20 @@ def test_compiler_mode_says_it_keeps_offload_as_save():
                             "not offload)")
     assert_equal_grads(grads(out, [x, w1, w2]), want)
     torch._dynamo.reset()
+
+
+def test_memory_report_names_what_it_takes_and_why_it_is_empty():
+    """memory_report(3) and a compiled model's output gave an empty table, silently: the first is
+    refused, naming what it takes; the second's table says where the compiled plan is read."""
+    with pytest.raises(TypeError, match=r"^remat.memory_report takes the tensors a forward computed \(its outputs, "
+                                        r"e.g. the loss\), got int$"):
+        remat.memory_report(3)
+    torch._dynamo.reset()
+    w = torch.randn(8, 8, requires_grad=True)
+    out = torch.compile(lambda x: remat.checkpoint("r")(lambda x: (x @ w).tanh())(x).sum(), backend="remat",
+                        options={"lower": "eager"}, fullgraph=True)(torch.randn(4, 8, requires_grad=True))
+    report = remat.memory_report(out)
+    assert report.entries == [] and str(report).endswith(
+        "(no remat.checkpoint region on the eager tape upstream of these outputs; under "
+        "torch.compile(backend='remat') read remat.last_plan() or remat.step_report())")
+    torch._dynamo.reset()

@@ -81,7 +81,11 @@ class MemoryReport:
         fmt = lambda r: "  ".join(c.rjust(w) if i == 6 else c.ljust(w)  # noqa: E731
                                   for i, (c, w) in enumerate(zip(r, widths)))
         sep = "  ".join("-" * w for w in widths)
-        return "\n".join([fmt(header), sep] + [fmt(r) for r in rows[:-1]] + [sep, fmt(rows[-1])])
+        table = "\n".join([fmt(header), sep] + [fmt(r) for r in rows[:-1]] + [sep, fmt(rows[-1])])
+        if not self.entries:  # e.g. the output of a compiled model: its graphs keep no tape
+            table += ("\n(no remat.checkpoint region on the eager tape upstream of these outputs; under "
+                      "torch.compile(backend='remat') read remat.last_plan() or remat.step_report())")
+        return table
 
 
 def find_tapes(*outputs) -> List[Tape]:
@@ -101,6 +105,10 @@ def find_tapes(*outputs) -> List[Tape]:
 
 def memory_report(*outputs) -> MemoryReport:
     """What the checkpoint regions upstream of ``outputs`` hold for their backward."""
+    if not any(isinstance(t, torch.Tensor) for t in tree_leaves(outputs)):
+        got = ", ".join(type(o).__name__ for o in outputs) or "nothing"
+        raise TypeError(f"remat.memory_report takes the tensors a forward computed (its outputs, e.g. the loss), "
+                        f"got {got}")
     report = MemoryReport()
     counted: Dict[tuple, str] = {}
 
