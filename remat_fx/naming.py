@@ -68,6 +68,15 @@ class NameGlobs:
         return found
 
 
+def shadowed_message(what: str, pattern: str, names: List[str], winner: str, scope: str = "") -> str:
+    """The warning for a glob (``what``: "region 'r' save") every match of which a stronger kind's glob
+    takes (``winner``, as NameGlobs.match names it): it decides nothing ``scope`` (" in this graph")."""
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return (f"remat_fx: {what} glob '{pattern}' decides nothing{scope}: all it selects ({shown}) a "
+            f"{winner.lower()} glob selects too, and {winner} wins a conflict (RECOMPUTE > OFFLOAD > SAVE). "
+            f"Narrow the {winner.lower()} glob, or drop this one.")
+
+
 def join(*parts: Optional[str]) -> str:
     """Join name parts with dots, skipping empty ones."""
     return ".".join(p for p in parts if p)

@@ -30,7 +30,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
-from remat_fx.naming import META_NAME, META_POLICY, META_REGION, META_REGION_GLOBS, NameGlobs, close_globs
+from remat_fx.naming import META_NAME, META_POLICY, META_REGION, META_REGION_GLOBS, NameGlobs, close_globs, \
+    shadowed_message
 from remat_fx.options import BackendOptions
 from remat_fx.passes.capture import JointGraph, is_multi_output, is_random, module_outputs
 
@@ -39,6 +40,7 @@ from remat_fx.passes.capture import JointGraph, is_multi_output, is_random, modu
 class Tag:
     policy: TorchPolicy
     reason: str
+    offload_as_save: bool = False  # marked OFFLOAD, kept as SAVE: compiler mode does not offload (_must)
 
     @property
     def saves(self) -> bool:
@@ -106,11 +108,10 @@ def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions,
         return Tag(TorchPolicy.MUST_SAVE, "random op: saved so backward sees the forward's values")
     if by_option is not None:
         kind, module = by_option
-        return Tag(_MUST[kind], f"backend option {kind.lower()} glob" + _output_of(module) + _AS_SAVE.get(kind, ""))
+        return _must(kind, f"backend option {kind.lower()} glob" + _output_of(module))
     if by_region is not None:
         kind, module = by_region
-        return Tag(_MUST[kind], f"region '{custom.get(META_REGION)}' {kind.lower()} glob" + _output_of(module)
-                   + _AS_SAVE.get(kind, ""))
+        return _must(kind, f"region '{custom.get(META_REGION)}' {kind.lower()} glob" + _output_of(module))
     region = node.meta.get("ac_graph_id")
     in_region = region is not None or custom.get(META_REGION) is not None
     if in_region and any(u in joint.forward and u.meta.get("ac_graph_id") != region for u in node.users):
@@ -121,15 +122,19 @@ def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions,
             and not (_is_layout(node) and written != "RECOMPUTE"):
         # (outside a checkpoint region a call-site policy decides nothing, as on the eager tape)
         # (views and copies inside a SAVE op are free to redo from what they copy: that decides)
-        return Tag(_MUST[written], f"{written} at the call site of '{custom[META_NAME]}'" + _AS_SAVE.get(written, ""))
+        return _must(written, f"{written} at the call site of '{custom[META_NAME]}'")
     if in_region:
         return Tag(TorchPolicy.PREFER_RECOMPUTE, f"inside checkpoint region '{custom.get(META_REGION, '?')}'")
     return None
 
 
-# compiler mode has no offload planning (docs/differences.md, Known gaps): an OFFLOAD is kept as SAVE, said
-# in the tag's reason and in one warning per compile (tag_joint)
-_AS_SAVE = {"OFFLOAD": " (kept on the device as SAVE: compiler mode does not offload)"}
+def _must(kind: str, reason: str) -> Tag:
+    """The tag a SAVE / OFFLOAD / RECOMPUTE decision makes. Compiler mode has no offload planning
+    (docs/differences.md, Known gaps): an OFFLOAD is kept as SAVE, said in its reason and in one
+    warning per compile (_warn_offload)."""
+    if kind == "OFFLOAD":
+        return Tag(_MUST[kind], reason + " (kept on the device as SAVE: compiler mode does not offload)", True)
+    return Tag(_MUST[kind], reason)
 
 
 def _output_of(module: Optional[str]) -> str:
@@ -173,7 +178,7 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
 def _warn_offload(joint: JointGraph, tags: Dict[fx.Node, Tag], warned: set) -> None:
     """One warning per compile where values marked OFFLOAD are kept as SAVE: the user's offloader is
     never called and those bytes stay on the device, which a step sized for offloading may not fit."""
-    names = sorted({joint.names.get(n, n.name) for n, tag in tags.items() if tag.reason.endswith(_AS_SAVE["OFFLOAD"])})
+    names = sorted({joint.names.get(n, n.name) for n, tag in tags.items() if tag.offload_as_save})
     if not names or "offload" in warned:
         return
     warned.add("offload")
@@ -200,12 +205,8 @@ def _warn_unmatched(joint: JointGraph, nodes: Iterable[fx.Node], unmatched: List
             continue
         warned.add(key)
         if taken:
-            winner = taken[0][1]
             shown = list(dict.fromkeys(joint.names[n] for n, _ in sorted(taken, key=lambda t: order[t[0]])))
-            text = (f"remat_fx: {where} {kind.lower()} glob '{pattern}' decides nothing in this graph: all it "
-                    f"selects ({', '.join(shown[:3])}{', ...' if len(shown) > 3 else ''}) a {winner.lower()} glob "
-                    f"selects too, and {winner} wins a conflict (RECOMPUTE > OFFLOAD > SAVE). Narrow the "
-                    f"{winner.lower()} glob, or drop this one.")
+            text = shadowed_message(f"{where} {kind.lower()}", pattern, shown, taken[0][1], " in this graph")
         else:
             text = unmatched_message(pattern, f"{where} {kind.lower()}", names, paths)
         warnings.warn(text, UserWarning, stacklevel=3)

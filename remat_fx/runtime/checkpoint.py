@@ -28,7 +28,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from remat_fx.naming import META_REGION, META_REGION_GLOBS, NameGlobs, callable_name, close_globs, \
-    tracing_annotation
+    shadowed_message, tracing_annotation
 from remat_fx.policy import CheckpointPolicy
 from remat_fx.runtime.handle import RematHandle
 from remat_fx.runtime.offload import check_offloader, resolve_offloader
@@ -248,13 +248,8 @@ def _report_globs() -> None:
         if matched:
             continue
         if taken:
-            winner = next(iter(taken.values()))
-            shown = list(taken)
-            warnings.warn(
-                f"remat_fx: region '{name}' {kind} glob '{pattern}' decides nothing: all it selects "
-                f"({', '.join(shown[:3])}{', ...' if len(shown) > 3 else ''}) a {winner.lower()} glob selects too, "
-                f"and {winner} wins a conflict (RECOMPUTE > OFFLOAD > SAVE). Narrow the {winner.lower()} glob, "
-                "or drop this one.", UserWarning, stacklevel=_users_level())
+            warnings.warn(shadowed_message(f"region '{name}' {kind}", pattern, list(taken), next(iter(taken.values()))),
+                          UserWarning, stacklevel=_users_level())
             continue
         names = list(seen)
         suggestions = close_globs(pattern, names)
