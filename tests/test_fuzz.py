@@ -29,6 +29,20 @@ def test_generated_case_passes_the_oracle(seed):
     assert result.ok, f"{result}\n{render(program)}"
 
 
+@pytest.mark.parametrize("seed", [2735, 2759, 3106])
+def test_the_generator_writes_only_region_globs_the_tape_accepts(seed):
+    # generator bugs found at seeds 2600-3199 (docs/fuzz.md): the same glob drawn for two of a region's
+    # save/offload/recompute lists (refused since the glob conflict check), and a save/offload glob
+    # ('*1') matching a bare autograd Function's name from the tape ('forward#1'), which made it SAVE
+    program = generate(seed)
+    regions = [b.options for b in program.blocks() if b.kind == "checkpoint"]
+    for options in regions:
+        globs = [g for key in ("save", "offload", "recompute") for g in options.get(key, [])]
+        assert len(globs) == len(set(globs)), options
+    result = check(program)
+    assert result.ok, f"{result}\n{render(program)}"
+
+
 def _eager_program_with(kind: str):
     for seed in range(2000, 2400):
         p = generate(seed, mode="eager")

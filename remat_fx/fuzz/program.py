@@ -287,12 +287,18 @@ def _region_options(rng: random.Random, program: Program, block: Block) -> Dict:
     # a save/offload glob must not make an autograd Function SAVE (its output is a placeholder for
     # the bare ops after it) nor a block read by a SAVE annotate block: it selects native ops only
     functions = [o.wrap[1] for o, _ in walk(block.body) if isinstance(o, Op) and o.wrap and o.wrap[0] == "fn"]
+    # a bare Function is named by the tape: 'forward#k', k counting the region's unnamed ops and regions
+    unnamed = sum(1 for o, _ in walk(block.body) if (isinstance(o, Op) and o.kind in FUNCTIONS and not o.wrap)
+                  or (isinstance(o, Block) and o.kind == "checkpoint"))
+    functions += [f"forward#{k}" for k in range(1, unnamed + 1)]
     save_block = any(isinstance(b, Block) and b.kind == "annotate" and b.options.get("policy") in ("SAVE", "OFFLOAD")
                      for b, _ in walk(block.body))
     for key in ("save", "offload", "recompute"):
         if names and rng.random() < 0.15:
             glob = rng.choice(names + ["op*", "*1", "nothing_matches"])
             if key != "recompute" and (save_block or any(fnmatch.fnmatchcase(n, glob) for n in functions)):
+                continue
+            if any(glob in options[k] for k in options):  # the same glob in two lists is refused (naming.NameGlobs)
                 continue
             options[key] = [glob]
     random_inside = any(isinstance(o, Op) and o.random for o, _ in walk(block.body))
