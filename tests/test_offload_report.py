@@ -1,4 +1,6 @@
 """OFFLOAD through pluggable offloaders, and memory_report's names, bytes and table."""
+import warnings
+
 import pytest
 import torch
 
@@ -92,8 +94,27 @@ def test_native_offload():
 
 def test_bad_offloader():
     with pytest.raises(TypeError, match=r"an offloader needs pack\(tensor\) and unpack\(packed\) methods"):
-        with remat.use_offloader(object()):
-            pass
+        remat.use_offloader(object())  # where it is named, not when the scope is entered
+
+
+def test_use_offloader_without_with_warns_that_it_set_nothing():
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    off = CountingOffloader()
+    with pytest.warns(RuntimeWarning, match=r"use_offloader\(.*\) was never entered, so it set nothing: .*"
+                                            r"write `with remat.use_offloader\(...\):`"):
+        remat.use_offloader(off)
+    remat.checkpoint()(_block(w1, w2))(torch.randn(4, 8)).sum().backward()
+    assert off.log == []  # the default offloader ran
+    scope = remat.use_offloader(off)  # entered later, and twice over: no warning, each exit restores
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with scope as got:
+            assert got is off
+            with scope:
+                pass
+            remat.checkpoint()(_block(w1, w2))(torch.randn(4, 8)).sum().backward()
+        del scope
+    assert len(off.log) == 6
 
 
 def test_report_names_bytes_and_table():

@@ -9,7 +9,7 @@ or for a scope (``with remat.use_offloader(...)``); the default is
 """
 from __future__ import annotations
 
-import contextlib
+import warnings
 from contextvars import ContextVar
 from typing import Any, Optional
 
@@ -86,14 +86,32 @@ def check_offloader(offloader) -> Any:
     return offloader
 
 
-@contextlib.contextmanager
-def use_offloader(offloader):
-    """Use ``offloader`` for OFFLOAD ops in checkpoint regions entered inside this block."""
-    token = _CURRENT.set(check_offloader(offloader))
-    try:
-        yield offloader
-    finally:
-        _CURRENT.reset(token)
+class use_offloader:  # noqa: N801 - used as a function: ``with remat.use_offloader(off):``
+    """Use ``offloader`` for OFFLOAD ops in checkpoint regions entered inside this block:
+    ``with remat.use_offloader(offloader): ...``. The offloader is checked when it is named; a scope
+    made and never entered (the call without ``with``, which sets nothing) warns when it is dropped."""
+
+    __slots__ = ("offloader", "_tokens", "_entered")
+
+    def __init__(self, offloader):
+        self.offloader = check_offloader(offloader)
+        self._tokens: list = []
+        self._entered = False
+
+    def __enter__(self):
+        self._entered = True
+        self._tokens.append(_CURRENT.set(self.offloader))
+        return self.offloader
+
+    def __exit__(self, *exc) -> bool:
+        _CURRENT.reset(self._tokens.pop())
+        return False
+
+    def __del__(self):
+        if not getattr(self, "_entered", True):
+            warnings.warn(f"remat.use_offloader({self.offloader!r}) was never entered, so it set nothing: it is a "
+                          f"scope, write `with remat.use_offloader(...):` around the regions that use it (or give "
+                          f"one region remat.checkpoint(..., offloader=...))", RuntimeWarning, stacklevel=2)
 
 
 def resolve_offloader(option) -> Any:
