@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from remat_fx.fuzz.oracle import Result, check, check_source, classify_error, compare
-from remat_fx.fuzz.program import Block, Op, generate, render
+from remat_fx.fuzz.oracle import check, check_source, classify_error, compare
+from remat_fx.fuzz.program import generate, render
 from remat_fx.fuzz.shrink import shrink
 
 SAMPLE = range(1000, 1040)  # seeds of the CI sample (about half eager, half compiled; no Inductor)

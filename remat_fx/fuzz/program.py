@@ -17,7 +17,6 @@ op's output), no ``preserve_rng_state=False`` over dropout, no dropout under the
 from __future__ import annotations
 
 import copy
-import dataclasses
 import fnmatch
 import random
 from dataclasses import dataclass, field
@@ -183,7 +182,6 @@ class _Gen:
         if self.lower == "inductor":
             kinds = [k for k in kinds if k not in RANDOM_OPS]
         kind = rng.choice(kinds)
-        in_region = any(b.kind == "checkpoint" for b in stack)
         wrap = None
         if kind in FUNCTIONS:
             if rng.random() < 0.7:
