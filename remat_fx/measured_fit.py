@@ -282,6 +282,8 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
             fraction = _fraction_of(graphs[0])
             if measured <= target:
                 result.fraction, result.measured, result.cached = fraction, measured, True
+                for g in graphs:
+                    g.fit_limit = limit
                 result.tried[fraction] = measured
                 result.seconds = time.perf_counter() - t0
                 log.info("%s", result)
@@ -335,6 +337,7 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
                      f"lowering the step's graphs at memory_budget {best}")
         for g in graphs:
             record(g.plan)
+            g.fit_limit = limit
         result.fraction, result.measured = best, result.tried[best]
         if scope.directory is not None:
             _save(graphs, best, result.measured, scope)

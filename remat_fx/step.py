@@ -245,6 +245,32 @@ def _symbolic(value) -> bool:
     return isinstance(value, FakeTensor) and any(isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride()))
 
 
+_SIZES_SAID: set = set()  # (step, sizes over, limit) warned of: once a step, not once per graph of it
+
+
+def _planned_sizes(gm: fx.GraphModule) -> List[Tuple[int, Optional[int], str, int]]:
+    """(input, dim or None for a size input, name, size planned at) for each size of ``gm``'s inputs that is
+    a symbol with a hint (Dynamo's dynamic shapes; the hint is the compiling call's value): a tensor's
+    dims, and a size input (Dynamo passes a tensor's symbolic size as an int too) only where no tensor
+    dim is that symbol."""
+    tensors, sizes, seen = [], [], set()
+    for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt):
+            sizes.append((i, None, node.name, value))
+        elif isinstance(value, torch.Tensor):
+            tensors += [(i, d, f"{node.name}.shape[{d}]", size) for d, size in enumerate(value.shape)
+                        if isinstance(size, torch.SymInt)]
+    found = []
+    for i, dim, name, size in tensors + sizes:
+        hint = size.node.hint
+        if hint is None or (dim is None and size.node.expr in seen):
+            continue
+        seen.add(size.node.expr)
+        found.append((i, dim, name, int(hint)))
+    return found
+
+
 class CompiledGraph:
     """The callable the backend hands Dynamo for one graph: the lowered graph, its plan, and
     what the step coordinator needs to plan it again (the Dynamo graph and its example inputs,
@@ -265,6 +291,11 @@ class CompiledGraph:
         # symbolic inputs (_fakes), or not at all (relower)
         held = [n.meta.get("example_value") for n in self.pristine.graph.find_nodes(op="placeholder")]
         self.dynamic = any(_symbolic(v) or isinstance(v, torch.SymInt) for v in held)
+        # the sizes it is planned at, where they are symbols: (input, dim or None for a size input, name,
+        # size); a call over them is over what a byte limit was planned for (_over_planned_sizes)
+        self.planned_sizes = _planned_sizes(self.pristine) if self.dynamic else []
+        self.size_warned = False
+        self.fit_limit: Optional[int] = None  # the peak a remat.fit that chose its plan measured it under
         context = TracingContext.try_get()
         self.fake_mode = context.fake_mode if context is not None else None
         # the global state AOTAutograd traces under (Dynamo guards on it: the graph only runs under
@@ -466,7 +497,43 @@ class CompiledGraph:
         out = self.fn(*args)
         if training:
             STEP.watch(self, out, args)
+            if self.planned_sizes and not self.size_warned:
+                self._over_planned_sizes(args)
         return out
+
+    def _over_planned_sizes(self, args) -> None:
+        """Warn (once) where a graph of dynamic sizes, planned under a byte limit at the sizes of the
+        call that compiled it, is called at larger ones: what it saves grows with them, so the limit
+        was not planned for this call."""
+        over = []
+        for i, dim, name, size in self.planned_sizes:
+            if i >= len(args):
+                continue
+            arg = args[i]
+            now = arg if dim is None else (arg.shape[dim] if isinstance(arg, torch.Tensor) else None)
+            if isinstance(now, int) and now > size:
+                over.append(f"{name}: {size} -> {now}")
+        if not over:
+            return
+        # the user's options (a whole-step plan lowers it with the step's limits taken off)
+        if self.fit_limit is not None:
+            limit = f"remat.fit peak {fmt_bytes(self.fit_limit)}"
+        elif step_limit_given(self.options) is not None:
+            limit = _step_limits(self.options)
+        else:
+            return
+        self.size_warned = True
+        said = (STEP.number, ", ".join(over), limit)
+        if said in _SIZES_SAID:  # another graph of the step, over by the same sizes
+            return
+        _SIZES_SAID.clear()
+        _SIZES_SAID.add(said)
+        warnings.warn(f"remat_fx: graph {self.index} has dynamic sizes and was planned at those of the call that "
+                      f"compiled it; it is now called at larger ones ({', '.join(over)}). What it saves for backward "
+                      f"grows with its sizes, so the step's {limit} was not planned for this call and may not hold. "
+                      f"Make the call that compiles it (or remat.fit's example) the largest batch and sequence the "
+                      f"job runs, or pad batches to one size (a short last batch: drop it, DataLoader(drop_last="
+                      f"True), or pad it; Dynamo recompiles at the first call of a new size).", stacklevel=2)
 
     def __repr__(self) -> str:
         return f"CompiledGraph({self.index}, {self.key})"

@@ -454,6 +454,52 @@ def test_a_step_planned_again_keeps_a_graph_with_dynamic_shapes_dynamic():
                    for d in x.shape) for g in relowered)
 
 
+@pytest.mark.parametrize("options", [{"peak_budget": "1MiB"}, {"memory_budget": "20KiB"}, {"memory_budget": 0.3},
+                                     {"fit": "4MiB"}])
+def test_a_graph_of_dynamic_sizes_called_over_its_planned_sizes_under_a_byte_limit_says_so(options):
+    """A graph compiled with dynamic sizes is planned at the sizes of the call that compiled it; a later
+    call at a larger sequence saves more than the plan counted, so a byte limit may not hold there. That
+    was silent; it is said once per graph. A fraction budget (a share of the graph's own range) says
+    nothing. Gradients equal the uncompiled model's throughout."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_ns["Block"](32) for _ in range(2)])
+    fit = options.pop("fit", None)
+    compiled = torch.compile(model, backend="remat", options={"lower": "eager", **options}, dynamic=True)
+    if fit is not None:
+        remat.fit(lambda x: compiled(x).square().mean().backward(), torch.randn(2, 8, 32, requires_grad=True), peak=fit)
+        model.zero_grad(set_to_none=True)
+    said = []
+    for T in (8, 4, 16, 24):
+        x = torch.randn(2, T, 32, requires_grad=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled(x).square().mean().backward()
+        said.append([str(w.message) for w in caught if "dynamic sizes" in str(w.message)])
+        got = [p.grad.clone() for p in model.parameters()] + [x.grad]
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        model(x).square().mean().backward()
+        for a, b in zip(got, [p.grad for p in model.parameters()] + [x.grad]):
+            torch.testing.assert_close(a, b)
+        model.zero_grad(set_to_none=True)
+    if isinstance(options.get("memory_budget"), float):
+        assert said == [[], [], [], []]
+        return
+    limit = ("peak_budget 1.00 MiB" if "peak_budget" in options else "memory_budget 20.00 KiB" if options
+             else "remat.fit peak 4.00 MiB")
+    assert said[:2] == [[], []] and said[3] == []  # at or under the planned sizes; and once
+    assert len(said[2]) == 1 and re.fullmatch(
+        r"remat_fx: graph \d+ has dynamic sizes and was planned at those of the call that compiled it; it is now "
+        r"called at larger ones \(\w+\.shape\[1\]: 8 -> 16\)\. What it saves for backward grows with its sizes, so "
+        rf"the step's {limit} was not planned for this call and may not hold\. Make the call that compiles it "
+        r"\(or remat\.fit's example\) the largest batch and sequence the job runs, or pad batches to one size "
+        r"\(a short last batch: drop it, DataLoader\(drop_last=True\), or pad it; Dynamo recompiles at the first call "
+        r"of a new size\)\.",
+        said[2][0]), said[2]
+
+
 def test_a_whole_step_limit_on_graphs_of_other_options_is_said_not_to_be_held():
     """A peak_budget on the model, and the loss compiled apart without one: the step is not planned
     as a whole (its graphs' options differ), and that is said once (it was silent, and the step's
