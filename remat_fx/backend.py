@@ -17,10 +17,13 @@ from remat_fx.options import OPTIONS, OptionError, parse_options, unknown_names,
 from remat_fx.step import compile_graph
 
 
-def backend(gm, example_inputs, options=None):
+def backend(gm, example_inputs, options=None, mode=None):
     """A torch.compile backend; ``options`` as in :func:`remat_fx.options.parse_options`. Each graph
-    is planned as part of its training step (remat_fx/step.py)."""
+    is planned as part of its training step (remat_fx/step.py). ``mode`` (torch.compile's, which
+    Dynamo hands a backend named by string) is refused: see _refuse_mode."""
     try:
+        if mode is not None and mode != "default":
+            raise OptionError(_refuse_mode(mode))
         parsed = parse_options(options)
     except OptionError as e:
         # Dynamo re-raises it as it is (not as BackendCompilerFailed), its traceback cut to start here
@@ -28,6 +31,15 @@ def backend(gm, example_inputs, options=None):
         raise
     _warn_torch_budget(parsed)
     return compile_graph(gm, example_inputs, parsed)
+
+
+def _refuse_mode(mode) -> str:
+    """torch.compile(model, backend="remat", mode=...) failed at the first call with a TypeError from
+    inside Dynamo ("backend() got an unexpected keyword argument 'mode'")."""
+    return (f"remat_fx: torch.compile(..., backend='remat', mode={mode!r}): remat's backend takes no mode (a mode is a set "
+            f"of Inductor settings). Its Inductor lowering reads torch._inductor.config when a graph compiles: "
+            f"set there what the mode would (torch._inductor.list_mode_options({mode!r}) lists them), or leave "
+            f"mode out.")
 
 
 def _warn_torch_budget(parsed) -> None:

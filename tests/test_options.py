@@ -40,6 +40,20 @@ def test_compile_suggests_the_nearest_option_or_torch_compile_keyword():
         remat.compile(model, options={"memory_budget": 0.3})
 
 
+def test_torch_compile_with_a_mode_and_backend_remat_is_refused_by_name():
+    """It failed inside Dynamo with "backend() got an unexpected keyword argument 'mode'"."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_model(), backend="remat", mode="max-autotune")
+    with pytest.raises(remat.OptionError, match=r"^remat_fx: torch.compile\(\.\.\., backend='remat', "
+                                                r"mode='max-autotune'\): remat's backend takes no mode .*"
+                                                r"torch._inductor.list_mode_options\('max-autotune'\) lists them\), "
+                                                r"or leave mode out\."):
+        compiled(torch.randn(4, 8))
+    torch._dynamo.reset()
+    compiled = torch.compile(_model(), backend="remat", mode="default")  # the default mode is no mode
+    compiled(torch.randn(4, 8, requires_grad=True)).sum().backward()
+
+
 def test_compile_splits_torch_compile_keywords_from_remat_options():
     model = _model()
     x = torch.randn(4, 8)
