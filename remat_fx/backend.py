@@ -36,10 +36,10 @@ def backend(gm, example_inputs, options=None, mode=None):
 def _refuse_mode(mode) -> str:
     """torch.compile(model, backend="remat", mode=...) failed at the first call with a TypeError from
     inside Dynamo ("backend() got an unexpected keyword argument 'mode'")."""
-    return (f"remat_fx: torch.compile(..., backend='remat', mode={mode!r}): remat's backend takes no mode (a mode is a set "
-            f"of Inductor settings). Its Inductor lowering reads torch._inductor.config when a graph compiles: "
-            f"set there what the mode would (torch._inductor.list_mode_options({mode!r}) lists them), or leave "
-            f"mode out.")
+    return (f"remat_fx: torch.compile(..., backend='remat', mode={mode!r}): remat's backend takes no mode (a "
+            f"mode is a set of Inductor settings). Its Inductor lowering reads torch._inductor.config when a graph "
+            f"compiles: set there what the mode would (torch._inductor.list_mode_options({mode!r}) lists them), or "
+            f"leave mode out.")
 
 
 def _warn_torch_budget(parsed) -> None:
