@@ -9,7 +9,8 @@ A case passes when its loss and every parameter and input gradient equal the ref
 - compiler mode, eager lowering: against ``Model.reference`` compiled with PyTorch's
   ``aot_eager_decomp_partition`` (the same decompositions, no recompute of random ops) under the
   same seed, at a tight tolerance (a recompute redoes the same op on the same inputs, but the
-  partition can order float math differently);
+  partition can order float math differently), or else against the eager reference at the same
+  tolerance (a region with a graph break in it runs on the eager tape, with eager's ops);
 - compiler mode, Inductor lowering (no dropout: Inductor draws its own random numbers): against the
   eager reference at a float tolerance;
 
@@ -222,7 +223,7 @@ def _check(module, corrupt) -> Result:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            want = _step(model, model.reference, inputs, seed)
+            want = eager_want = _step(model, model.reference, inputs, seed)
         except Exception as e:  # the generator wrote a program PyTorch rejects
             return Result("invalid_program", f"the reference raised {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         lower = options.get("lower", "inductor")
@@ -254,9 +255,20 @@ def _check(module, corrupt) -> Result:
     if mode == "eager":
         bad = compare(got, want, exact=True)
     else:
-        bad = compare(got, want, exact=False, tol=_TOL[(lower, autocast)])
+        tol = _TOL[(lower, autocast)]
+
+        def off(result) -> Optional[Tuple[str, str]]:
+            # against the compiled reference, or else the eager one: a region with a graph break in it
+            # runs on the eager tape, whose ops are eager's, not the decompositions' (case 3657: a layer
+            # norm over gathered, near-equal values, where the two differ by 1.4e-4 of the largest)
+            bad = compare(result, want, exact=False, tol=tol)
+            if bad is not None and want is not eager_want and compare(result, eager_want, exact=False, tol=tol) is None:
+                return None
+            return bad
+
+        bad = off(got)
         if bad is None:
-            bad = compare(again, want, exact=False, tol=_TOL[(lower, autocast)])
+            bad = off(again)
             if bad is not None:
                 bad = (bad[0], f"second step: {bad[1]}")
     if bad is not None:
