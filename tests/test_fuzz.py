@@ -46,7 +46,7 @@ def test_the_generator_writes_only_region_globs_the_tape_accepts(seed):
 def test_a_compiled_case_whose_region_runs_on_the_eager_tape_may_match_the_eager_reference():
     # case 3657: a graph break inside a region (it runs on the eager tape, with eager's ops) over a layer
     # norm of gathered, near-equal values, where aot_eager_decomp_partition's decomposed reference
-    # differs from eager by 1.4e-4 of the largest gradient; remat's gradients equal eager's
+    # differs from eager by 4.96e-5 of 2.63 (1.9e-5, over the 1e-5 tolerance); remat's gradients equal eager's
     program = generate(3657)
     assert program.mode == "compile" and any(b.kind == "checkpoint" for b in program.blocks())
     result = check(program)
