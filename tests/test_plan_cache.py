@@ -102,6 +102,18 @@ def test_an_entry_that_no_longer_gives_its_plan_is_searched_again_and_rewritten(
         entry.write_text(broken)
         fourth, _ = _step(model, x, memory_budget=0.3)
         assert not fourth.from_cache and json.loads(entry.read_text())["peak"] == plan.peak.step
+    good = json.loads(entry.read_text())
+    # the right fields with the wrong values (edited, or another version's): searched again, written
+    # anew (each of these crashed torch.compile with a TypeError, KeyError, AttributeError or ValueError)
+    for field, value in (("fastest_s", "x"), ("cap", "x"), ("report", "x"), ("budgets", [["nope", 0.3, None]]),
+                         ("quick", [1, 2]), ("peak", float("nan"))):
+        entry.write_text(json.dumps({**good, field: value}))
+        with caplog.at_level(logging.INFO, logger="remat_fx"):
+            fifth, got = _step(model, x, memory_budget=0.3)
+        assert not fifth.from_cache and json.loads(entry.read_text()) == good, field
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert "could not be used" in caplog.text
 
 
 def test_other_options_are_another_entry_and_the_cache_can_be_turned_off(tmp_path, monkeypatch):

@@ -287,18 +287,26 @@ def _replay(cut, entry):
         return None
     try:
         found = cut(record["budgets"], record["fastest_s"], record["cap"], record["quick"], record["alike"])
+        plan = found[2]
+        if (plan.total_bytes, plan.peak.step) != (record["saved"], record["peak"]):
+            log.info("remat_fx: the plan cache's plan for this graph now saves %s with an estimated peak of %s, "
+                     "not %s and %s: searching again", fmt_bytes(plan.total_bytes), fmt_bytes(plan.peak.step),
+                     fmt_bytes(record["saved"]), fmt_bytes(record["peak"]))
+            return None
+        notes = record["report"]
+        if notes is not None and plan.budget is not None:
+            if not (isinstance(notes, dict) and set(notes) <= set(plan_cache.REPORT_NOTES)):
+                raise ValueError(f"report notes {notes!r}")
+            for k, v in notes.items():
+                setattr(plan.budget, k, v)
+        plan.peak_budget = record["peak_budget"]
     except RematError:
         return None  # a budget this graph can no longer meet: the search says why
-    plan = found[2]
-    if (plan.total_bytes, plan.peak.step) != (record["saved"], record["peak"]):
-        log.info("remat_fx: the plan cache's plan for this graph now saves %s with an estimated peak of %s, not "
-                 "%s and %s: searching again", fmt_bytes(plan.total_bytes), fmt_bytes(plan.peak.step),
-                 fmt_bytes(record["saved"]), fmt_bytes(record["peak"]))
+    except Exception as e:  # noqa: BLE001 - an entry of the right fields and the wrong values (another
+        # version's, or edited): searched again and written anew, as an unreadable one is
+        log.info("remat_fx: the plan cache's entry %s could not be used (%s: %s): searching again", entry.path,
+                 type(e).__name__, e)
         return None
-    if record["report"] is not None and plan.budget is not None:
-        for k, v in record["report"].items():
-            setattr(plan.budget, k, v)
-    plan.peak_budget = record["peak_budget"]
     plan.from_cache = True
     return found
 
