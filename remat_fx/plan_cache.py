@@ -111,6 +111,18 @@ def _value(v) -> str:
     return repr(pytree.tree_map(one, v))
 
 
+def annotations_digest(gm: fx.GraphModule) -> str:
+    """A digest of the remat annotations on a Dynamo graph's nodes (remat.annotate's and the regions'
+    names, policies, budgets and globs: node metadata, which ``gm.code`` does not show, so neither
+    AOTAutograd's cache key nor the graph's record key saw a changed region budget)."""
+    digest = hashlib.sha256()
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom")
+        if custom:
+            digest.update(repr((node.name, sorted((str(k), repr(v)) for k, v in custom.items()))).encode())
+    return digest.hexdigest()[:24]
+
+
 def _meta(node: fx.Node) -> str:
     out = []
     for k in _TAG_META:

@@ -200,7 +200,7 @@ def _grad_bytes(joint) -> int:
 
 def graph_key(gm: fx.GraphModule, example_inputs) -> str:
     """A key of the graph that is the same in every process running the same model: its code
-    and its inputs' shapes, strides and dtypes, and the torch version."""
+    and its inputs' shapes, strides and dtypes, the torch version, and its remat annotations."""
     digest = hashlib.sha256(gm.code.encode())
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
@@ -209,6 +209,7 @@ def graph_key(gm: fx.GraphModule, example_inputs) -> str:
         else:
             digest.update(repr(type(x).__name__).encode())
     digest.update(torch.__version__.encode())
+    digest.update(plan_cache.annotations_digest(gm).encode())  # remat.annotate's budgets: not in the code
     return digest.hexdigest()[:24]
 
 

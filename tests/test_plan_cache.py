@@ -143,6 +143,45 @@ def test_other_options_are_another_entry_and_the_cache_can_be_turned_off(tmp_pat
         switched_on()
 
 
+def test_a_remat_annotate_budget_is_in_the_graph_key_and_aotautograds_key():
+    """remat.annotate's budget (and policy) lives in node metadata, which gm.code does not show: a region
+    budget changed between two runs under Inductor hit AOTAutograd's cache and the graph record of the
+    old budget, and the new budget was silently ignored (a helper's review: 40,960 bytes saved where
+    the new budget's plan saves 32,768)."""
+    from remat_fx.options import parse_options
+    from remat_fx.passes.lower import RematPartitioner
+    from remat_fx.step import graph_key
+
+    lin = torch.nn.ModuleList([torch.nn.Linear(32, 32) for _ in range(4)])
+
+    def keys(budget, policy=None):
+        def f(x):
+            for i, layer in enumerate(lin):
+                if i < 2:
+                    with remat.annotate("head", policy, memory_budget=budget):
+                        x = torch.tanh(layer(x))
+                else:
+                    x = torch.tanh(layer(x))
+            return x.square().mean()
+
+        seen = []
+
+        def capture(gm, example_inputs):
+            seen.append((graph_key(gm, example_inputs), RematPartitioner(
+                parse_options({}), annotations=plan_cache.annotations_digest(gm)).uuid()))
+            return gm.forward
+
+        torch._dynamo.reset()
+        torch.compile(f, backend=capture, fullgraph=True)(torch.randn(8, 32))
+        (found,) = seen
+        return found
+
+    half, none, again = keys(0.5), keys(0.0), keys(0.5)
+    assert half == again
+    assert half[0] != none[0] and half[1] != none[1]
+    assert keys(0.5, "SAVE")[0] != half[0]
+
+
 def test_the_key_reads_the_module_paths_the_names_come_from(tmp_path, monkeypatch):
     monkeypatch.setenv("REMAT_FX_CACHE_DIR", str(tmp_path))
     from remat_fx.options import parse_options

@@ -32,7 +32,7 @@ from remat_fx.passes.partition import partition
 from remat_fx.passes.peak import PeakEstimate, PeakInfeasible, backward_inputs
 from remat_fx.passes.plan import input_names, last_plan
 from remat_fx.passes.rerun import shorten
-from remat_fx.plan_cache import source_digest
+from remat_fx.plan_cache import annotations_digest, source_digest
 
 log = logging.getLogger("remat_fx")
 
@@ -43,8 +43,9 @@ class RematPartitioner(CustomPartitionerFn):
     is checked on, for passes/lowered_peak.py."""
 
     def __init__(self, options: BackendOptions, limit: Optional[int] = None,
-                 compiled_backward: Optional[Callable] = None):
+                 compiled_backward: Optional[Callable] = None, annotations: str = ""):
         self.options = options
+        self.annotations = annotations  # plan_cache.annotations_digest of the graph: in AOTAutograd's key
         self.plan = None
         self.counted: set = set()
         self.limit = limit
@@ -54,7 +55,7 @@ class RematPartitioner(CustomPartitionerFn):
         # Inductor pickles its config (this included) into the FX graph cache's entries: the plan
         # made here does not pickle, and an entry that fails to is not stored
         return {"options": self.options, "plan": None, "counted": set(), "limit": self.limit,
-                "compiled_backward": None}
+                "compiled_backward": None, "annotations": self.annotations}
 
     def __call__(self, gm, joint_inputs, **kwargs):
         kwargs.pop("compiler", None)
@@ -64,7 +65,7 @@ class RematPartitioner(CustomPartitionerFn):
         return fw, bw
 
     def uuid(self):
-        return hashlib.sha256(repr((self.options.key(), source_digest())).encode()).hexdigest()
+        return hashlib.sha256(repr((self.options.key(), source_digest(), self.annotations)).encode()).hexdigest()
 
 
 def _run_eagerly(gm, example_inputs):
@@ -346,7 +347,7 @@ def _inductor(gm, example_inputs, options: BackendOptions, schedules: Optional[d
     ``aot_cache``: as in :func:`lower`."""
     from torch._inductor.compile_fx import compile_fx
 
-    partitioner = RematPartitioner(options, limit, aot_cache)
+    partitioner = RematPartitioner(options, limit, aot_cache, annotations_digest(gm))
     # AOTAutograd's cache skips our partition on a hit, and with it the Plan: only where the
     # step keeps the plan for it (aot_cache); Inductor's own FX graph and kernel caches still apply.
     # A lowering whose schedules are read keeps Inductor's FX graph cache on with it (AOTAutograd's
