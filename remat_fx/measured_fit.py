@@ -119,7 +119,9 @@ _ABSENT = object()
 def _entry(graph: CompiledGraph, options: BackendOptions, limit) -> str:
     from remat_fx import __version__
 
-    text = repr((graph.key, options.key(), limit, __version__, source_digest()))
+    # the global state the graph runs under (autocast, grad mode) too: the same graph under bf16 autocast
+    # fits a limit another budget fits in float32 (a helper's review: the float32 choice was taken)
+    text = repr((graph.key, options.key(), limit, __version__, source_digest(), graph.global_state))
     return "fit-" + hashlib.sha256(text.encode()).hexdigest()[:32] + ".json"
 
 

@@ -1153,6 +1153,26 @@ def test_a_fit_takes_from_its_cache_only_the_plans_its_own_run_compiled(tmp_path
     assert not roomy.cached and roomy.fraction is None  # no budget: the step fits without one
 
 
+def test_a_fit_under_autocast_is_another_entry_of_its_cache(tmp_path):
+    """The same graphs under bf16 autocast took the float32 run's cached choice (the fit's key had no
+    grad or autocast state; a helper's review found a bf16 step kept to a budget it does not need)."""
+    _, step = make({"lower": "eager"})
+    free = _measure(step)
+    first = remat.fit(step, peak=int(free * 0.7), cache_dir=tmp_path)
+    assert not first.cached and first.fraction is not None
+    entries = len(list(tmp_path.glob("fit-*.json")))
+    torch._dynamo.reset()
+    STEP.reset()
+    _, step = make({"lower": "eager"})
+
+    def bf16():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            step()
+
+    assert not remat.fit(bf16, peak=int(free * 0.7), cache_dir=tmp_path).cached
+    assert entries >= 1 and len(list(tmp_path.glob("fit-*.json"))) == 2 * entries
+
+
 def test_a_fit_to_the_devices_free_memory_keys_its_cache_to_within_one_percent(tmp_path, monkeypatch):
     """peak="auto" (the CUDA device's free memory, which moves by some MiB from run to run) finds its
     cached plan when the free memory moved by less than 1%, across a bucket's edge too: it was keyed
