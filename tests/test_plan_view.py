@@ -56,6 +56,45 @@ def test_compact_view_lists_activations_by_the_names_the_user_knows():
     assert re.search(r"\n  primals_\d+ +32x128 +float32 +0  parameter", full)
 
 
+@pytest.mark.parametrize("region", ["torch.utils.checkpoint", "remat.checkpoint"])
+def test_a_region_whose_output_is_a_view_keeps_its_boundary_and_says_whose_it_is(region):
+    """Blocks ending in a Linear over a 3-d input, each in a checkpoint region: a region's output is
+    a view of its addmm, which the min-cut is free to redo, and it redid it with the addmm, so that
+    only the step's input was saved and the whole forward was recomputed at once in backward (the
+    eager tape holds each region's output). The storage the output views is now kept, as the
+    region's output. A torch.utils.checkpoint region (Hugging Face's gradient_checkpointing_enable)
+    is named as such (it was "checkpoint region '?'")."""
+    import torch.utils.checkpoint as tuc
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([Block(), Block(), Block()])
+
+    def step(x):
+        for i, block in enumerate(blocks):
+            x = (tuc.checkpoint(block, x, use_reentrant=False) if region == "torch.utils.checkpoint"
+                 else remat.checkpoint(f"b{i}")(block)(x))
+        return x.square().sum()
+
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    step(x).backward()
+    want = [p.grad.clone() for p in blocks.parameters()] + [x.grad]
+    blocks.zero_grad(set_to_none=True)
+    x.grad = None
+    torch._dynamo.reset()
+    torch.compile(step, backend="remat", options={"lower": "eager"}, fullgraph=True)(x).backward()
+    for got, expected in zip([p.grad for p in blocks.parameters()] + [x.grad], want):
+        torch.testing.assert_close(got, expected)
+    plan = remat.last_plan()
+    text = str(plan)
+    assert "'?'" not in text
+    rows = [line.split() for line in text.splitlines()[2:] if "output of" in line]
+    owner = (lambda i: "a torch.utils.checkpoint region") if region == "torch.utils.checkpoint" else \
+        (lambda i: f"checkpoint region 'b{i}'")
+    want_rows = [(f"{i}.down.addmm", f"output of {owner(i)}") for i in range(3)]
+    assert [(r[0], " ".join(r[5:])) for r in rows] == want_rows, text
+    assert plan.total_bytes == 4 * 4 * KiB  # the input and the three blocks' outputs
+
+
 def test_tensors_sharing_a_name_share_a_row_with_a_count():
     from remat_fx.passes.plan import SavedActivation, _compact_rows
 

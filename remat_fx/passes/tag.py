@@ -7,7 +7,8 @@ Precedence (first that applies):
      a glob selects the nodes whose names it matches, and, for a module path it matches where it
      matches none of that module's node names (``*.qkv``), the module's output (select below); a
      glob that selects nothing in a graph is warned about once, with the closest names;
-  4. a region's outputs (MUST_SAVE): as in eager mode, their consumers outside the region hold them;
+  4. a region's outputs (MUST_SAVE): as in eager mode, their consumers outside the region hold them
+     (an output that is a view of what the region computes: that, the storage it views);
   5. inside a checkpoint region, the policy written at the call site: remat.op / native_op /
      annotate (MUST); outside one it decides nothing, as in eager mode;
   6. inside a remat.checkpoint region: PREFER_RECOMPUTE, as non-reentrant AC recomputes it;
@@ -116,7 +117,7 @@ def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions,
     in_region = region is not None or custom.get(META_REGION) is not None
     if in_region and any(u in joint.forward and u.meta.get("ac_graph_id") != region for u in node.users):
         # as in eager mode, a region's outputs are held by their consumers outside it
-        return Tag(TorchPolicy.MUST_SAVE, f"output of checkpoint region '{custom.get(META_REGION, '?')}'")
+        return Tag(TorchPolicy.MUST_SAVE, f"output of {_region(custom)}")
     written = custom.get(META_POLICY)
     if in_region and written is not None and custom.get(META_NAME) is not None \
             and not (_is_layout(node) and written != "RECOMPUTE"):
@@ -124,8 +125,14 @@ def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions,
         # (views and copies inside a SAVE op are free to redo from what they copy: that decides)
         return _must(written, f"{written} at the call site of '{custom[META_NAME]}'")
     if in_region:
-        return Tag(TorchPolicy.PREFER_RECOMPUTE, f"inside checkpoint region '{custom.get(META_REGION, '?')}'")
+        return Tag(TorchPolicy.PREFER_RECOMPUTE, f"inside {_region(custom)}")
     return None
+
+
+def _region(custom: dict) -> str:
+    """A region by its name; a torch.utils.checkpoint region has none (it was written '?')."""
+    name = custom.get(META_REGION)
+    return "a torch.utils.checkpoint region" if name is None else f"checkpoint region '{name}'"
 
 
 def _must(kind: str, reason: str) -> Tag:
@@ -163,6 +170,20 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
         tag = tag_node(joint, node, options, by_option.get(node), by_region.get(node))
         if tag is not None:
             tags[node] = tag
+    # a region's output that is a view (a Linear over a 3-d input ends in a view of its addmm) is free
+    # to redo from its base, and the min-cut redoes it so: its base, computed inside the region, is
+    # kept with it, or the region's boundary was lost and the whole forward recomputed at once in
+    # backward (the eager tape holds the region's outputs)
+    for node in [n for n, t in tags.items() if t.policy is TorchPolicy.MUST_SAVE and _is_view(n)
+                 and t.reason.startswith("output of ")]:
+        base = node
+        while _is_view(base) and base.args and isinstance(base.args[0], fx.Node) and base.args[0] in joint.forward:
+            base = base.args[0]
+            held = tags.get(base)
+            if held is None or held.policy is TorchPolicy.PREFER_RECOMPUTE:
+                tags[base] = tags[node]  # the storage the region's output views
+            else:
+                break
     # a tuple cannot be saved: a multi-output op stays banned from recompute and its getitem
     # outputs are what gets saved (a getitem left to recompute would need the banned tuple)
     for node in [n for n, t in tags.items() if t.saves and is_multi_output(n)]:
@@ -239,6 +260,10 @@ _LAYOUT_OPS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "
 def _computing(names: List[str]) -> List[str]:
     """Names of ops that compute (``layers.0.qkv.addmm``) before those that only reshape (``.view``)."""
     return sorted(names, key=lambda n: n.rsplit(".", 1)[-1] in _LAYOUT_OPS)
+
+
+def _is_view(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
 def _is_layout(node: fx.Node) -> bool:
