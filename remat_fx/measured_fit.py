@@ -125,6 +125,21 @@ def _entry(graph: CompiledGraph, options: BackendOptions, limit) -> str:
     return "fit-" + hashlib.sha256(text.encode()).hexdigest()[:32] + ".json"
 
 
+def _say_if_compiled_before(graphs, scope: _Scope) -> None:
+    """A fit with a cache whose step's graphs were compiled before it (warm-up steps) searches, whatever
+    its cache holds for them: said where the cache has an entry for one of them (it was silent, and
+    each run of the job searched again)."""
+    if scope.directory is None or all(g.cached is scope for g in graphs):
+        return
+    held = [g for g in graphs if g.cached is not scope
+            and any((scope.directory / _entry(g, g.options, key)).is_file() for key in scope.keys())]
+    if held:
+        log.warning("remat_fx: remat.fit: graph(s) %s of the step were compiled before this fit (a step ran "
+                    "before it), so the choice its cache holds for them is not used and it searches again: "
+                    "call remat.fit before the step's first run to start from the cache",
+                    ", ".join(str(g.index) for g in held))
+
+
 def searching() -> bool:
     """Whether a ``fit`` is running (its graphs are re-planned from their joint graphs)."""
     return bool(_ACTIVE)
@@ -249,6 +264,7 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
                          "gradients: it must run a forward and backward of a model compiled with "
                          "torch.compile(model, backend='remat')")
     graphs = list(dict.fromkeys(calls))
+    _say_if_compiled_before(graphs, scope)
     sig = _signature(calls)
     planned_before = STEP.planned.get(sig, _ABSENT)
     STEP.planned[sig] = "fit"  # the step coordinator leaves this step to the fit

@@ -1173,6 +1173,33 @@ def test_a_fit_under_autocast_is_another_entry_of_its_cache(tmp_path):
     assert entries >= 1 and len(list(tmp_path.glob("fit-*.json"))) == 2 * entries
 
 
+def test_a_fit_after_warm_up_steps_says_its_cache_is_not_read(tmp_path, caplog):
+    """step(); remat.fit(step, ...) with a cache: the graphs were compiled before the fit, so its cached
+    choice is not used and it searches again, each run of the job; that was silent (a helper's review)."""
+    import logging
+
+    _, step = make({"lower": "eager"})
+    free = _measure(step)
+    remat.fit(step, peak=int(free * 0.7), cache_dir=tmp_path)
+    torch._dynamo.reset()
+    STEP.reset()
+    _, step = make({"lower": "eager"})
+    step()  # a warm-up step
+    with caplog.at_level(logging.WARNING, logger="remat_fx"):
+        again = remat.fit(step, peak=int(free * 0.7), cache_dir=tmp_path)
+    assert not again.cached
+    assert re.search(r"remat.fit: graph\(s\) [\d, ]+ of the step were compiled before this fit \(a step ran before "
+                     r"it\), so the choice its cache holds for them is not used and it searches again: call "
+                     r"remat.fit before the step's first run to start from the cache", caplog.text), caplog.text
+    caplog.clear()
+    torch._dynamo.reset()
+    STEP.reset()
+    _, step = make({"lower": "eager"})
+    with caplog.at_level(logging.WARNING, logger="remat_fx"):
+        assert remat.fit(step, peak=int(free * 0.7), cache_dir=tmp_path).cached  # before any step: no word
+    assert "compiled before this fit" not in caplog.text
+
+
 def test_a_fit_to_the_devices_free_memory_keys_its_cache_to_within_one_percent(tmp_path, monkeypatch):
     """peak="auto" (the CUDA device's free memory, which moves by some MiB from run to run) finds its
     cached plan when the free memory moved by less than 1%, across a bucket's edge too: it was keyed
