@@ -242,7 +242,8 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
     named = _parameters(args, kwargs, params)
     target = int(limit * (1 - margin))
     t0 = time.perf_counter()
-    scope = _Scope(limit, None if not cache else pathlib.Path(cache_dir) if cache_dir is not None else cache_root(),
+    scope = _Scope(limit, None if not cache else pathlib.Path(cache_dir).expanduser() if cache_dir is not None
+                   else cache_root(),
                    _auto_key(limit) if isinstance(peak, str) and peak == "auto" else limit)
 
     def run():

@@ -28,6 +28,7 @@ import os
 import tempfile
 import pathlib
 import pickle
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -48,7 +49,22 @@ _FIELDS = {"budgets", "fastest_s", "cap", "quick", "alike", "peak_budget", "repo
 def cache_root() -> pathlib.Path:
     """remat_fx's cache folder: ``$REMAT_FX_CACHE_DIR``, else ``~/.cache/remat_fx``."""
     root = os.environ.get("REMAT_FX_CACHE_DIR")
-    return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "remat_fx"
+    return pathlib.Path(root).expanduser() if root else pathlib.Path.home() / ".cache" / "remat_fx"
+
+
+_UNWRITABLE: set = set()  # folders said to be unwritable (once each per process)
+
+
+def unwritable(path: pathlib.Path, error: Exception) -> None:
+    """A plan or record the cache could not write: said once per folder (it was silent, and no run
+    of the job ever found a plan there). The compile goes on: its plan stands."""
+    folder = str(path.parent)
+    if folder in _UNWRITABLE:
+        return
+    _UNWRITABLE.add(folder)
+    warnings.warn(f"remat_fx: the plan cache could not write in {folder} ({type(error).__name__}: {error}): the "
+                  f"plans made here are not kept for the next run, which plans again. Set REMAT_FX_CACHE_DIR to a "
+                  f"folder it can write, or REMAT_FX_PLAN_CACHE=0 to turn the cache off.", stacklevel=2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,8 +174,8 @@ class Entry:
                   "saved": plan.total_bytes, "peak": plan.peak.step, "torch": torch.__version__}
         try:
             write_atomic(self.path, json.dumps(record).encode())
-        except OSError:
-            pass  # a read-only or full disk: the next process searches again
+        except OSError as e:  # a read-only or full disk: the next process searches again
+            unwritable(self.path, e)
 
 
 def entry(joint_gm: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_indices, options) -> Entry:
@@ -213,7 +229,9 @@ def save_record(path: pathlib.Path, plan, grads: int, primals: Optional[List[str
         plan = _portable(plan)
     try:
         write_atomic(path, pickle.dumps({"plan": plan, "grads": grads, "primals": primals}))
-    except (OSError, pickle.PicklingError, TypeError, AttributeError):
+    except OSError as e:  # the next process traces and partitions the graph again
+        unwritable(path, e)
+    except (pickle.PicklingError, TypeError, AttributeError):
         pass  # the next process traces and partitions the graph again
 
 

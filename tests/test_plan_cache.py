@@ -275,6 +275,34 @@ def test_a_second_process_loads_the_graphs_from_aotautograds_cache_with_their_pl
     assert plan_cache.load_record(records[0]) is not None  # written again
 
 
+def test_a_cache_folder_that_cannot_be_written_is_said_once_and_a_tilde_is_the_home(tmp_path, monkeypatch):
+    """REMAT_FX_CACHE_DIR naming a file (or a folder the process cannot write): the compile's plans were
+    silently never kept, where remat.fit warned for the same folder; '~/x' made a folder named '~' in
+    the working directory (a helper's review)."""
+    import warnings
+
+    monkeypatch.setenv("REMAT_FX_PLAN_CACHE", "1")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("REMAT_FX_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(plan_cache, "_UNWRITABLE", set())
+    model, x = _mlp(), torch.randn(16, 32)
+    want = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+    with pytest.warns(UserWarning, match=r"^remat_fx: the plan cache could not write in .*a_file/plans \(\w+Error: "
+                                         r".*\): the plans made here are not kept for the next run, which plans "
+                                         r"again\. Set REMAT_FX_CACHE_DIR to a folder it can write, or "
+                                         r"REMAT_FX_PLAN_CACHE=0 to turn the cache off\.$"):
+        plan, got = _step(model, x, memory_budget=0.3)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per folder
+        _step(model, x, memory_budget=0.2)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("REMAT_FX_CACHE_DIR", "~/cache")
+    assert plan_cache.cache_root() == tmp_path / "cache"
+
+
 def test_a_failed_write_leaves_neither_a_partial_entry_nor_its_temporary_file(tmp_path, monkeypatch):
     """write_atomic (every cache writer's): the old file or the new one, never a part, and no
     temporary file left in the folder when the write fails (a full disk)."""
