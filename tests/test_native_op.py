@@ -1,10 +1,12 @@
 """remat.native_op: SAVE keeps the op's outputs (SAC underneath), RECOMPUTE reruns it."""
+import contextlib
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import remat_fx as remat
-from tests.helpers import P, assert_equal_grads, exp, grads, linear
+from tests.helpers import P, alinear, assert_equal_grads, exp, grads, linear
 
 
 def _mm_flops_in_backward(out, inputs):
@@ -89,6 +91,41 @@ def test_save_native_op_with_randomness_keeps_rng_aligned():
     want = grads(block(x).sum(), [x])
     torch.manual_seed(5)
     assert_equal_grads(grads(remat.checkpoint()(block)(x).sum(), [x]), want)
+
+
+@pytest.mark.parametrize("outer", [P.SAVE, P.OFFLOAD])
+@pytest.mark.parametrize("inner", ["native SAVE", "native OFFLOAD", "Function SAVE", "annotate SAVE"])
+def test_a_save_op_nested_in_a_save_block_leaves_the_blocks_later_calls_their_own_outputs(mode, outer, inner):
+    """A SAVE op inside a SAVE remat.annotate block, then the same op on inputs of the same shapes:
+    the block's cache counted the nested op's call in the forward, which in recompute replays from its
+    own cache (or, a Function, does not run), so the block's replay gave the later matmul the nested
+    one's output: silently wrong gradients (x and w1 here), and where the shapes differ a shape error
+    from inside PyTorch's checkpoint (fuzz case 3877: a SAVE Function before a dropout attention)."""
+    torch.manual_seed(0)
+    w1, w2 = (torch.randn(8, 8, requires_grad=True) for _ in range(2))
+    x = torch.randn(12, 8, requires_grad=True)
+
+    def block(x, on=True):
+        with remat.annotate("blk", outer) if on else contextlib.nullcontext():
+            if not on:
+                a = x @ w1
+            elif inner == "Function SAVE":
+                a = alinear(x, w1, "fn", P.SAVE)
+            elif inner == "annotate SAVE":
+                with remat.annotate("inner", P.SAVE):
+                    a = torch.matmul(x, w1)
+            else:
+                a = remat.native_op(torch.matmul, "nat", getattr(P, inner.split()[1]))(x, w1)
+            b = torch.matmul(x, w2)  # the same op as the nested one's, on inputs of the same shapes
+            c = torch.sin(b)  # whose backward reads b
+        return torch.sigmoid(c) * 3, a  # ops after the block: the recompute runs through it
+
+    def loss(outs):
+        return outs[0].sum() + outs[1].sin().sum()
+
+    want = grads(loss(block(x, on=False)), [x, w1, w2])
+    got = grads(mode(lambda x: loss(remat.checkpoint()(block)(x)))(x), [x, w1, w2])
+    mode.assert_grads(got, want)
 
 
 def test_mutating_cached_output_is_caught():

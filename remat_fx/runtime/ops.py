@@ -106,8 +106,12 @@ def auto_forward(*saved_names: str):
                 args = handle.load_inputs(args) if handle.policy is CheckpointPolicy.RECOMPUTE else args
                 captured = []
                 ctx.save_for_backward = lambda *ts: captured.append(ts)
+                # a SAVE/OFFLOAD Function is not run in recompute: an enclosing SAVE scope's cache
+                # must not count the calls of its forward (compat.without_dispatch_modes)
+                hide = compat.without_dispatch_modes(list(tape.caching) if handle.policy.skips_recompute else [])
                 try:
-                    out = forward(ctx, *args, **kwargs)
+                    with hide:
+                        out = forward(ctx, *args, **kwargs)
                 finally:
                     del ctx.save_for_backward
                 saved = captured[-1] if captured else ()
@@ -169,27 +173,40 @@ class SacScope:
     without running the ops, then restores the RNG the skipped ops consumed. Under
     RECOMPUTE the ops simply run."""
 
-    __slots__ = ("handle", "mode", "storage")
+    __slots__ = ("handle", "mode", "storage", "hidden")
 
     def __init__(self, handle: RematHandle):
-        self.handle, self.mode, self.storage = handle, None, None
+        self.handle, self.mode, self.storage, self.hidden = handle, None, None, None
 
     def __enter__(self):
         handle, tape = self.handle, self.handle.tape
         if handle.policy is CheckpointPolicy.RECOMPUTE:
             return self
-        if tape.phase == FORWARD:
-            self.mode, self.storage = compat.sac_forward_mode(_must_save)
-        else:
-            # cache hits on in-place ops (dropout's bernoulli_) bump versions: checked in load() instead
-            self.mode = compat.sac_replay_mode(_must_save, handle.record.sac.load(tape, handle.name))
+        # an enclosing SAVE scope's cache does not see this scope's calls, in the forward nor in the
+        # recompute (where this scope replays them from its own cache, and runs what it did not cache)
+        self.hidden = compat.without_dispatch_modes(list(tape.caching))
+        self.hidden.__enter__()
+        try:
+            if tape.phase == FORWARD:
+                self.mode, self.storage = compat.sac_forward_mode(_must_save)
+            else:
+                # cache hits on in-place ops (dropout's bernoulli_) bump versions: checked in load() instead
+                self.mode = compat.sac_replay_mode(_must_save, handle.record.sac.load(tape, handle.name))
+        except BaseException:
+            hidden, self.hidden = self.hidden, None
+            hidden.__exit__(None, None, None)
+            raise
         self.mode.__enter__()
+        tape.caching.append(self.mode)
         return self
 
     def __exit__(self, *exc):
         if self.mode is None:
             return False
+        self.handle.tape.caching.pop()
         self.mode.__exit__(*exc)
+        hidden, self.hidden = self.hidden, None
+        hidden.__exit__(*exc)
         if exc[0] is None:
             handle, rec = self.handle, self.handle.record
             if self.storage is not None:

@@ -173,6 +173,9 @@ class Tape:
         self.records: List[Record] = []
         self.by_name: Dict[str, Record] = {}
         self.phase = FORWARD
+        # the caching modes of the SAVE/OFFLOAD scopes open in the forward (runtime/ops.py SacScope),
+        # innermost last: a SAVE/OFFLOAD op nested in one runs with them off the dispatch stack
+        self.caching: list = []
         self.passes = 0
         self.cursor = 0
         self.keep_graph = True

@@ -37,6 +37,12 @@ and what differs across versions:
   can route the cache through the user's ``saved_tensors_hooks``
   (``respect_saved_tensors_hooks``, private on the mode): the runtime turns that off, as
   torch 2.13 behaves, because it checks, offloads and reports the cached tensors itself.
+* **A SAVE op nested in a SAVE block** (:func:`without_dispatch_modes`): the enclosing block's
+  caching (or replay) mode is taken off the dispatch stack while the nested op runs, with
+  ``torch.utils._python_dispatch``'s ``_get_current_dispatch_mode_stack``, ``_pop_mode`` and
+  ``_push_mode`` (private, unchanged since torch 2.0; checked on 2.13 and 2.14 by
+  tests/test_native_op.py). Without it the block's replay gives a later call of the nested op's
+  op the nested call's output (silently wrong gradients where the shapes agree).
 * **The innermost checkpoint frame** (:func:`current_checkpoint_frame`): the region's
   count of tensors saved so far and its early-stop flag, read from the closure of the
   pack hook of ``torch.utils.checkpoint``'s ``_checkpoint_hook`` (through
@@ -62,6 +68,7 @@ and what differs across versions:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 from collections import defaultdict
@@ -261,6 +268,37 @@ def sac_forward_mode(policy_fn):
     storage = caching.storage
     sac_layout(storage)  # fail before the forward, not in the recompute
     return caching, storage
+
+
+@contextlib.contextmanager
+def without_dispatch_modes(modes: list):
+    """The TorchDispatchModes ``modes`` (an enclosing SAVE scope's caching modes) off the dispatch
+    stack for the block; the modes above them stay on, in their order. A SAVE/OFFLOAD op nested in a
+    SAVE block caches its own outputs, and in recompute replays them (or, an autograd Function, is
+    not run at all): the enclosing block's cache must not count its calls in the forward either, or
+    the block's replay gives each later call of the same op the output of the call before it
+    (wrong gradients where the shapes agree, a shape error where not). Uses
+    ``torch.utils._python_dispatch``'s ``_get_current_dispatch_mode_stack``, ``_pop_mode`` and
+    ``_push_mode`` (private, in torch since 2.0: what its own ``_pop_mode_temporarily`` uses)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+    hidden = {id(m) for m in modes}
+    if not modes or not any(id(m) in hidden for m in _get_current_dispatch_mode_stack()):
+        yield
+        return
+    popped = []  # top first
+    while any(id(m) in hidden for m in _get_current_dispatch_mode_stack()):
+        popped.append(_pop_mode())
+    kept = [m for m in reversed(popped) if id(m) not in hidden]  # bottom first
+    for m in kept:
+        _push_mode(m)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            _pop_mode()
+        for m in reversed(popped):
+            _push_mode(m)
 
 
 def sac_replay_mode(policy_fn, storage):
