@@ -1199,9 +1199,10 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
                     "peak %s, saved for backward %s): its graphs were planned one by one as they were first called, "
                     "before the step was known; it is planned as a whole now, and the limit holds from the next step",
                     len(calls), len(set(calls)),
-                    " and ".join(w for w in (limit is not None and f"peak_budget {fmt_bytes(limit)}",
-                                             saved_limit is not None and f"memory_budget {fmt_bytes(saved_limit)}")
-                                 if w),
+                    " and ".join(w for w in (limit is not None and estimated > limit
+                                             and f"peak_budget {fmt_bytes(limit)}",
+                                             saved_limit is not None and saved > saved_limit
+                                             and f"memory_budget {fmt_bytes(saved_limit)}") if w),
                     fmt_bytes(estimated), fmt_bytes(saved))
     if exceeded or any(g.over for g in calls):
         plan_step(calls, limit=limit, saved_limit=saved_limit)
@@ -1266,6 +1267,11 @@ def estimate_curve(calls: Sequence[CompiledGraph], fractions: Optional[Sequence]
     return curve
 
 
+def _shared(fraction: Optional[float]) -> str:
+    """A shared memory budget of the step's plan as the messages name it (None: none shared)."""
+    return "none" if fraction is None else f"{fraction:g}"
+
+
 def plan_step(calls: List[CompiledGraph], limit: Optional[int] = None, fraction: Optional[float] = None,
               saved_limit: Optional[int] = None) -> StepPlan:
     """Plan every graph of a step with one shared memory budget: the largest of ``candidates``
@@ -1288,21 +1294,25 @@ def plan_step(calls: List[CompiledGraph], limit: Optional[int] = None, fraction:
     fitting = [f for f, (peak, saved) in curve.items() if fits(peak, saved)]
     what = " and ".join(w for w in (limit is not None and f"peak_budget {fmt_bytes(limit)} ({limit:,} bytes)",
                                      saved_limit is not None and f"memory_budget {fmt_bytes(saved_limit)}") if w)
-    if not fitting and limit is None:  # the saved bytes alone: the user's memory budget, below the step's least
-        least = min(curve, key=lambda f: (curve[f][1], curve[f][0]))
+    least = min(curve, key=lambda f: (curve[f][1], curve[f][0]))
+    if not fitting and saved_limit is not None and curve[least][1] > saved_limit:
+        # the user's memory budget is below the step's least saved bytes (with a peak_budget too: it
+        # was said to be the peak that no plan met, naming a peak far under the peak_budget)
         raise BudgetInfeasible(
             f"remat_fx: memory_budget {fmt_bytes(saved_limit)} ({saved_limit:,} bytes) for the whole step "
             f"({len(calls)} calls of {len(set(calls))} compiled graphs) is below its feasible minimum: every plan "
             f"found saves at least {fmt_bytes(curve[least][1])} ({curve[least][1]:,} bytes), with every graph at "
-            f"memory_budget {'-' if least is None else f'{least:g}'}. Raise the budget to at least "
+            f"memory_budget {_shared(least)}. Raise the budget to at least "
             f"{curve[least][1]:,} bytes, or shrink the step (batch, sequence length).")
     if not fitting:
-        best = min(curve, key=lambda f: curve[f])
+        within = [f for f in curve if saved_limit is None or curve[f][1] <= saved_limit]
+        best = min(within, key=lambda f: curve[f])
+        among = "" if saved_limit is None else f" that saves at most {fmt_bytes(saved_limit)}"
         raise PeakInfeasible(
             f"remat_fx: {what} for the whole step ({len(calls)} calls of {len(set(calls))} compiled graphs) is "
-            f"below every plan found: the lowest estimated step peak is {fmt_bytes(curve[best][0])} "
+            f"below every plan found{among}: the lowest estimated step peak is {fmt_bytes(curve[best][0])} "
             f"({curve[best][0]:,} bytes), saving {fmt_bytes(curve[best][1])}, with every graph at memory_budget "
-            f"{'-' if best is None else f'{best:g}'}. Raise the limit, or shrink the step (batch, sequence length).")
+            f"{_shared(best)}. Raise the limit, or shrink the step (batch, sequence length).")
     chosen = fitting[0]
     for g in dict.fromkeys(calls):
         g.relower(shared_options(g.options, chosen))

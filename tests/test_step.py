@@ -697,6 +697,21 @@ def test_a_byte_memory_budget_below_the_whole_steps_minimum_is_a_budget_error():
     assert "Raise the budget to at least 1,048,576 bytes" in str(info.value)
 
 
+def test_with_a_roomy_peak_budget_too_the_byte_memory_budget_is_the_one_said_to_fail():
+    """Found by the fuzzer (case 4164): memory_budget below the step's least saved bytes and a roomy
+    peak_budget: the step was said to have gone over both, and the error was a PeakInfeasible saying
+    the peak_budget was below every plan (naming a lowest peak far under it) and "memory_budget -"."""
+    model, step = make({"lower": "eager", "memory_budget": 600_000, "peak_budget": "1GiB"})
+    step()
+    with pytest.raises(remat.BudgetInfeasible) as info:
+        step()
+    assert str(info.value).startswith(
+        "remat_fx: memory_budget 585.94 KiB (600,000 bytes) for the whole step (4 calls of 2 compiled graphs) is "
+        "below its feasible minimum: every plan found saves at least 1.00 MiB (1,048,576 bytes), with every "
+        "graph at memory_budget "), str(info.value)
+    assert "memory_budget -" not in str(info.value)
+
+
 @pytest.mark.slow
 def test_whole_step_peak_fractions_are_monotone():
     peaks, estimates = [], []
