@@ -192,11 +192,12 @@ class SacScope:
             else:
                 # cache hits on in-place ops (dropout's bernoulli_) bump versions: checked in load() instead
                 self.mode = compat.sac_replay_mode(_must_save, handle.record.sac.load(tape, handle.name))
-        except BaseException:
+            self.mode.__enter__()
+        except BaseException:  # the enclosing modes back on, as they were
+            self.mode = None
             hidden, self.hidden = self.hidden, None
             hidden.__exit__(None, None, None)
             raise
-        self.mode.__enter__()
         tape.caching.append(self.mode)
         return self
 
