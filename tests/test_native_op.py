@@ -128,11 +128,12 @@ def test_a_save_op_nested_in_a_save_block_leaves_the_blocks_later_calls_their_ow
     mode.assert_grads(got, want)
 
 
-def test_mutating_cached_output_is_caught():
+@pytest.mark.parametrize("policy", [P.SAVE, P.OFFLOAD])  # OFFLOAD kept in place on the CPU was not checked
+def test_mutating_cached_output_is_caught(policy):
     x = torch.randn(4, 4, requires_grad=True)
 
     def block(x):
-        h = remat.native_op(torch.sin, "sin", policy=P.SAVE)(x)
+        h = remat.native_op(torch.sin, "sin", policy=policy)(x)
         return h
 
     out = remat.checkpoint("blk")(block)(x)
@@ -141,6 +142,23 @@ def test_mutating_cached_output_is_caught():
     with pytest.raises(RuntimeError, match=r"output aten.sin.default#0.0 of native op 'sin' in region 'blk' was "
                                            r"modified in place after the op ran \(version 0 -> 1\)"):
         (out * x).sum().backward()
+
+
+def test_an_offloaded_output_modified_in_place_later_in_the_region_is_caught():
+    """A helper's review: OFFLOAD with the default CPUOffloader keeps a CPU tensor as it is, and its
+    in-place change later in the forward went unchecked (SAVE raised): silently wrong gradients."""
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def block(x):
+        h = remat.native_op(torch.sin, "s", P.OFFLOAD)(x @ w)
+        z = (h * 2) * x
+        h.add_(1)  # valid in plain PyTorch; the recompute would replay the changed h
+        return z.sin() + h
+
+    with pytest.raises(RuntimeError, match=r"output aten.sin.default#0.0 of native op 's' in region 'r' was "
+                                           r"modified in place after the op ran \(version 0 -> 1\)"):
+        remat.checkpoint("r")(block)(x).sum().backward()
 
 
 def test_outside_region_is_plain_call():

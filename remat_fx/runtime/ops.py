@@ -258,8 +258,10 @@ class SacCache:
             )
 
         for label, val in self.tensors():
-            if isinstance(val, torch.Tensor):
-                version, was = compat.tensor_version(val), self._version_of[label]
+            # an offloaded value the offloader kept in place (a CPU tensor) is the op's output itself
+            watched = val if isinstance(val, torch.Tensor) else val.kept if isinstance(val, _OffloadedValue) else None
+            if watched is not None:
+                version, was = compat.tensor_version(watched), self._version_of[label]
                 if version != was:
                     raise RuntimeError(
                         f"remat_fx: output {label} of native op '{name}' in region '{tape.name}' was modified in "
@@ -276,12 +278,17 @@ class SacCache:
 
 
 class _OffloadedValue:
-    __slots__ = ("packed", "offloader", "meta")
+    __slots__ = ("packed", "offloader", "meta", "kept")
 
     def __init__(self, offloader, original: torch.Tensor):
         self.offloader = offloader
         self.packed = offloader.pack(original.detach())
         self.meta = TensorMeta.of(original)
+        # packed in place (CPUOffloader keeps CPU tensors as they are): the op's output, whose in-place
+        # changes SacCache.load refuses as it does a SAVE op's (an OFFLOAD op's were never checked)
+        packed = self.packed
+        self.kept = packed if isinstance(packed, torch.Tensor) and \
+            compat.storage_key(packed) == compat.storage_key(original) is not None else None
 
     def unpack(self):
         return self.offloader.unpack(self.packed)
