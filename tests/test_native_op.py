@@ -161,6 +161,52 @@ def test_an_offloaded_output_modified_in_place_later_in_the_region_is_caught():
         remat.checkpoint("r")(block)(x).sum().backward()
 
 
+@pytest.mark.parametrize("policy", [P.SAVE, P.OFFLOAD])
+@pytest.mark.parametrize("how", ["annotate mul_", "annotate relu inplace", "annotate dropout inplace", "native add_"])
+def test_an_in_place_op_in_a_save_block_on_a_tensor_from_before_it_runs_again_in_recompute(mode, policy, how):
+    """A helper's review: the recompute answered the in-place op from the block's cache, so the recomputed
+    tensor kept its value from before the change for the ops after the block (silently wrong gradients,
+    max abs diff 27.7). The op now runs again on the recomputed tensor."""
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def body(x, on=True):
+        h = (x @ w).cos()  # made before the block
+        if how == "native add_":
+            (remat.native_op(torch.Tensor.add_, "add_", policy) if on else torch.Tensor.add_)(h, 1.5)
+        else:
+            with remat.annotate("blk", policy) if on else contextlib.nullcontext():
+                if how == "annotate mul_":
+                    h.mul_(3)
+                elif how == "annotate relu inplace":
+                    torch.nn.functional.relu(h, inplace=True)
+                else:
+                    torch.nn.functional.dropout(h, 0.5, inplace=True)
+        return (h * x).sin()  # reads h after the block
+
+    torch.manual_seed(3)
+    want = grads(body(x, on=False).sum(), [x, w])
+    torch.manual_seed(3)
+    got = grads(mode(lambda x: remat.checkpoint("r")(body)(x).sum())(x), [x, w])
+    mode.assert_grads(got, want)
+
+
+def test_a_random_op_writing_in_place_into_a_tensor_from_before_a_save_block_is_refused():
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def body(x):
+        h = x.cos()
+        with remat.annotate("blk", P.SAVE):
+            h.uniform_()
+        return (h * x).sin()
+
+    with pytest.raises(RuntimeError, match=r"^remat_fx: aten.uniform_.default in 'blk' \(region 'r'\) writes random "
+                                           r"values in place into a tensor made before it: the recompute cannot draw "
+                                           r"them again as the forward did\. Make the block RECOMPUTE, or draw into a "
+                                           r"new tensor \(torch.rand_like\) inside it\.$"):
+        remat.checkpoint("r")(body)(x)
+
+
 def test_outside_region_is_plain_call():
     x = torch.randn(3, 3)
     assert torch.equal(remat.native_op(torch.mm, "mm", policy=P.SAVE)(x, x), x @ x)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from contextvars import ContextVar
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.utils import checkpoint as torch_checkpoint
@@ -140,6 +140,51 @@ def _must_save(ctx, func, *args, **kwargs):
     return torch_checkpoint.CheckpointPolicy.MUST_SAVE
 
 
+class _BlockPolicy:
+    """The caching policy of one SAVE/OFFLOAD scope's forward: every op's outputs are kept
+    (``_must_save``), except where an op writes in place into a tensor made before the scope (``h.mul_(3)``
+    in a SAVE block, ``h`` from before it): a cached answer would leave the recomputed ``h`` unchanged
+    for the ops after the block (silently wrong gradients), so that op runs again in the recompute, on
+    the recomputed tensor. A random op writing so (``h.uniform_()``) cannot be run again with the
+    forward's draws, and is refused. ``decisions``: what was answered, in call order, which the
+    replay of a torch that asks the policy again (2.11's list layout) is answered with."""
+
+    __slots__ = ("made", "decisions", "where")
+
+    def __init__(self, where: str):
+        self.made: set = set()  # storages the scope's own ops made (not views)
+        self.decisions: list = []
+        self.where = where
+
+    def __call__(self, ctx, func, *args, **kwargs):
+        decision = _must_save(ctx, func, *args, **kwargs)
+        if func._schema.is_mutable:
+            written = [a for spec, a in zip(func._schema.arguments, (*args, *kwargs.values()))
+                       if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor)]
+            written += [v for k, v in kwargs.items() if k == "out" and isinstance(v, torch.Tensor)]
+            if any(compat.storage_key(t) not in self.made for t in written):
+                if torch.Tag.nondeterministic_seeded in func.tags:
+                    raise RuntimeError(
+                        f"remat_fx: {func} in {self.where} writes random values in place into a tensor made before "
+                        f"it: the recompute cannot draw them again as the forward did. Make the block RECOMPUTE, or "
+                        f"draw into a new tensor (torch.rand_like) inside it.")
+                decision = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+        if not func.is_view:
+            for t in tree_flatten(getattr(ctx, "op_output", None))[0]:
+                if isinstance(t, torch.Tensor):
+                    self.made.add(compat.storage_key(t))
+        self.decisions.append(decision)
+        return decision
+
+    def replayed(self) -> Callable:
+        answers = iter(self.decisions)
+
+        def policy(ctx, func, *args, **kwargs):
+            answer = next(answers, None)
+            return _must_save(ctx, func, *args, **kwargs) if answer is None else answer
+        return policy
+
+
 def native_op(fn, name: str, policy=None):
     """Name one call of native PyTorch ops: ``remat.native_op(torch.mm, name, policy)(x, w)``."""
     check_name(name, "remat.native_op")
@@ -173,10 +218,10 @@ class SacScope:
     without running the ops, then restores the RNG the skipped ops consumed. Under
     RECOMPUTE the ops simply run."""
 
-    __slots__ = ("handle", "mode", "storage", "hidden")
+    __slots__ = ("handle", "mode", "storage", "hidden", "policy")
 
     def __init__(self, handle: RematHandle):
-        self.handle, self.mode, self.storage, self.hidden = handle, None, None, None
+        self.handle, self.mode, self.storage, self.hidden, self.policy = handle, None, None, None, None
 
     def __enter__(self):
         handle, tape = self.handle, self.handle.tape
@@ -188,10 +233,12 @@ class SacScope:
         self.hidden.__enter__()
         try:
             if tape.phase == FORWARD:
-                self.mode, self.storage = compat.sac_forward_mode(_must_save)
+                self.policy = _BlockPolicy(f"'{handle.name}' (region '{tape.name}')")
+                self.mode, self.storage = compat.sac_forward_mode(self.policy)
             else:
                 # cache hits on in-place ops (dropout's bernoulli_) bump versions: checked in load() instead
-                self.mode = compat.sac_replay_mode(_must_save, handle.record.sac.load(tape, handle.name))
+                sac = handle.record.sac
+                self.mode = compat.sac_replay_mode(sac.policy.replayed(), sac.load(tape, handle.name))
             self.mode.__enter__()
         except BaseException:  # the enclosing modes back on, as they were
             self.mode = None
@@ -213,6 +260,7 @@ class SacScope:
             if self.storage is not None:
                 offloader = handle.tape.offloader if handle.policy is CheckpointPolicy.OFFLOAD else None
                 rec.sac = SacCache(self.storage, offloader)
+                rec.sac.policy = self.policy
             elif rec.rng_after is not None and handle.tape.preserve_rng:
                 rng_restore(rec.rng_after)
         return False
@@ -222,11 +270,12 @@ class SacCache:
     """The outputs PyTorch's SAC caching mode stored for one native SAVE/OFFLOAD call (its storage
     layout is torch's and version-dependent: only torch_compat reads or copies it)."""
 
-    __slots__ = ("entries", "offloader", "released", "_version_of")
+    __slots__ = ("entries", "offloader", "released", "_version_of", "policy")
 
     def __init__(self, storage, offloader):
         self.offloader = offloader
         self.released = False
+        self.policy: Optional[_BlockPolicy] = None  # the forward's caching policy (its decisions)
         # the op may mutate its own intermediates (dropout's bernoulli_): what must not
         # change is each cached tensor from the end of the op to its recompute
         self._version_of = {label: compat.tensor_version(val) for label, val in compat.sac_cached(storage)
