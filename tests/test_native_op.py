@@ -207,6 +207,49 @@ def test_a_random_op_writing_in_place_into_a_tensor_from_before_a_save_block_is_
         remat.checkpoint("r")(body)(x)
 
 
+@pytest.mark.parametrize("how", ["a region called twice", "a weight cast before the block"])
+def test_a_weight_autocast_cast_before_a_save_block_is_cast_again_in_its_recompute(how):
+    """A helper's review: under autocast a weight cast before a SAVE block comes from autocast's cast
+    cache in the forward (no cast in the block), while the recompute, its cast cache empty, casts it:
+    the replay failed with PyTorch's "_to_copy ... not found in storage", or, where the recompute stopped
+    early, took the block's next cached cast of the same shape for it (silently wrong gradients)."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(8, 8, requires_grad=True)
+    y = torch.randn(8, 8, requires_grad=True)
+
+    def twice(on):
+        def block(h):
+            with remat.annotate("mlp", P.SAVE) if on else contextlib.nullcontext():
+                h2 = h @ w
+            return h2.sin() * h
+
+        h = x
+        for i in range(2):
+            h = remat.checkpoint(f"layer{i}")(block)(h) if on else block(h)
+        return h.float().sum()
+
+    def cast_before(on):
+        def body(x, y):
+            a = x.sin()
+            with remat.annotate("blk", P.SAVE) if on else contextlib.nullcontext():
+                h1 = a @ w  # w's cast is in autocast's cache: none here in the forward
+                c = y.to(torch.bfloat16)  # another cast, of the same shape
+            return h1.float() + c.float()  # nothing after saves a tensor: the recompute stops early
+
+        z = x @ w
+        out = remat.checkpoint("r")(body)(x, y) if on else body(x, y)
+        return out.sum() + z.float().sum()
+
+    step = twice if how == "a region called twice" else cast_before
+    results = []
+    for on in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = step(on)
+        results.append(grads(loss, [x, y, w] if step is cast_before else [x, w]))
+    assert_equal_grads(results[1], results[0])
+
+
 def test_outside_region_is_plain_call():
     x = torch.randn(3, 3)
     assert torch.equal(remat.native_op(torch.mm, "mm", policy=P.SAVE)(x, x), x @ x)

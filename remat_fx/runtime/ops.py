@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat_fx.naming import callable_name, check_name, op_annotation
 from remat_fx.policy import CheckpointPolicy, coerce_policy
@@ -149,15 +150,18 @@ class _BlockPolicy:
     forward's draws, and is refused. ``decisions``: what was answered, in call order, which the
     replay of a torch that asks the policy again (2.11's list layout) is answered with."""
 
-    __slots__ = ("made", "decisions", "where")
+    __slots__ = ("made", "decisions", "where", "cast_from")
 
     def __init__(self, where: str):
         self.made: set = set()  # storages the scope's own ops made (not views)
         self.decisions: list = []
         self.where = where
+        self.cast_from: set = set()  # storages the forward cast (_to_copy) inside the scope
 
     def __call__(self, ctx, func, *args, **kwargs):
         decision = _must_save(ctx, func, *args, **kwargs)
+        if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.Tensor):
+            self.cast_from.add(compat.storage_key(args[0]))
         if func._schema.is_mutable:
             written = [a for spec, a in zip(func._schema.arguments, (*args, *kwargs.values()))
                        if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor)]
@@ -218,10 +222,11 @@ class SacScope:
     without running the ops, then restores the RNG the skipped ops consumed. Under
     RECOMPUTE the ops simply run."""
 
-    __slots__ = ("handle", "mode", "storage", "hidden", "policy")
+    __slots__ = ("handle", "mode", "storage", "hidden", "policy", "casts")
 
     def __init__(self, handle: RematHandle):
         self.handle, self.mode, self.storage, self.hidden, self.policy = handle, None, None, None, None
+        self.casts: Optional[_CastsOfRecompute] = None
 
     def __enter__(self):
         handle, tape = self.handle, self.handle.tape
@@ -240,17 +245,28 @@ class SacScope:
                 sac = handle.record.sac
                 self.mode = compat.sac_replay_mode(sac.policy.replayed(), sac.load(tape, handle.name))
             self.mode.__enter__()
+            if tape.phase != FORWARD:
+                self.casts = _CastsOfRecompute(self.handle.record.sac.policy.cast_from, self.mode)
+                self.casts.__enter__()
         except BaseException:  # the enclosing modes back on, as they were
+            if self.mode is not None and self.casts is None:
+                self.mode.__exit__(None, None, None)
             self.mode = None
             hidden, self.hidden = self.hidden, None
             hidden.__exit__(None, None, None)
             raise
         tape.caching.append(self.mode)
+        if self.casts is not None:
+            tape.caching.append(self.casts)
         return self
 
     def __exit__(self, *exc):
         if self.mode is None:
             return False
+        if self.casts is not None:
+            self.handle.tape.caching.pop()
+            casts, self.casts = self.casts, None
+            casts.__exit__(*exc)
         self.handle.tape.caching.pop()
         self.mode.__exit__(*exc)
         hidden, self.hidden = self.hidden, None
@@ -264,6 +280,27 @@ class SacScope:
             elif rec.rng_after is not None and handle.tape.preserve_rng:
                 rng_restore(rec.rng_after)
         return False
+
+
+class _CastsOfRecompute(TorchDispatchMode):
+    """Above a scope's replay mode in the recompute: a cast (``_to_copy``) of a tensor the forward did
+    not cast inside the scope runs as it is, past the replay. Under autocast a weight cast before the
+    scope (a tied weight, a region called twice) is taken from autocast's cast cache in the forward, so
+    the scope cached no cast of it, while the recompute starts with an empty cast cache and casts it:
+    the replay then failed on a call it had not cached, or handed it the scope's next cached cast of the
+    same shape (silently wrong gradients)."""
+
+    def __init__(self, cast_from: set, replay):
+        super().__init__()
+        self.cast_from, self.replay = cast_from, replay
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = {} if kwargs is None else kwargs
+        if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.Tensor) and \
+                compat.storage_key(args[0]) not in self.cast_from:
+            with compat.without_dispatch_modes([self.replay]):
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 class SacCache:

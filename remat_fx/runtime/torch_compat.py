@@ -42,7 +42,9 @@ and what differs across versions:
   ``torch.utils._python_dispatch``'s ``_get_current_dispatch_mode_stack``, ``_pop_mode`` and
   ``_push_mode`` (private, unchanged since torch 2.0; checked on 2.13 and 2.14 by
   tests/test_native_op.py). Without it the block's replay gives a later call of the nested op's
-  op the nested call's output (silently wrong gradients where the shapes agree).
+  op the nested call's output (silently wrong gradients where the shapes agree). The same
+  function lets a cast the forward took from autocast's cast cache run past a block's replay in
+  the recompute (runtime/ops.py ``_CastsOfRecompute``).
 * **The innermost checkpoint frame** (:func:`current_checkpoint_frame`): the region's
   count of tensors saved so far and its early-stop flag, read from the closure of the
   pack hook of ``torch.utils.checkpoint``'s ``_checkpoint_hook`` (through
