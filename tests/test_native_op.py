@@ -250,6 +250,34 @@ def test_a_weight_autocast_cast_before_a_save_block_is_cast_again_in_its_recompu
     assert_equal_grads(results[1], results[0])
 
 
+@pytest.mark.parametrize("how", ["dropout in a SAVE native_op", "relu_ in a SAVE block"])
+def test_a_second_backward_through_a_retained_graph_replays_in_place_answers_again(how):
+    """A helper's review: the first recompute's answers to in-place ops (dropout's bernoulli_, a relu_)
+    bumped the cached tensors' versions, and the second backward refused them as "modified in place"
+    (the error that itself advises retain_graph=True)."""
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def body(x, on=True):
+        if how.startswith("dropout"):
+            a = (remat.native_op(torch.nn.functional.dropout, "drop", P.SAVE) if on
+                 else torch.nn.functional.dropout)(x @ w, 0.5)
+        else:
+            with remat.annotate("blk", P.SAVE) if on else contextlib.nullcontext():
+                a = (x @ w).relu_()
+        return (a.sin() * x).sin()
+
+    results = []
+    for on in (False, True):
+        torch.manual_seed(7)
+        out = remat.checkpoint("r")(body)(x) if on else body(x, on=False)
+        out.sum().backward(retain_graph=True)
+        out.sum().backward()
+        results.append([x.grad.clone(), w.grad.clone()])
+        x.grad = w.grad = None
+    assert_equal_grads(results[1], results[0])
+
+
 def test_outside_region_is_plain_call():
     x = torch.randn(3, 3)
     assert torch.equal(remat.native_op(torch.mm, "mm", policy=P.SAVE)(x, x), x @ x)

@@ -277,8 +277,11 @@ class SacScope:
                 offloader = handle.tape.offloader if handle.policy is CheckpointPolicy.OFFLOAD else None
                 rec.sac = SacCache(self.storage, offloader)
                 rec.sac.policy = self.policy
-            elif rec.rng_after is not None and handle.tape.preserve_rng:
-                rng_restore(rec.rng_after)
+            else:
+                if rec.sac is not None and not rec.sac.released:
+                    rec.sac.settled()  # the replay's own in-place answers (dropout's bernoulli_) changed versions
+                if rec.rng_after is not None and handle.tape.preserve_rng:
+                    rng_restore(rec.rng_after)
         return False
 
 
@@ -318,6 +321,15 @@ class SacCache:
         self._version_of = {label: compat.tensor_version(val) for label, val in compat.sac_cached(storage)
                             if isinstance(val, torch.Tensor)}
         self.entries = compat.sac_map(storage, self._pack) if offloader is not None else storage
+
+    def settled(self) -> None:
+        """After a recompute's replay: the versions its answers to in-place ops (dropout's bernoulli_,
+        a relu_) gave the cached tensors are theirs now, so that a second backward through a retained
+        graph does not take them for the user's changes (it raised "modified in place")."""
+        for label, val in self.tensors():
+            watched = val if isinstance(val, torch.Tensor) else val.kept if isinstance(val, _OffloadedValue) else None
+            if watched is not None:
+                self._version_of[label] = compat.tensor_version(watched)
 
     def _pack(self, val):
         return _OffloadedValue(self.offloader, val) if isinstance(val, torch.Tensor) else val
