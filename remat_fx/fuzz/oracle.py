@@ -158,6 +158,8 @@ def classify_error(e: BaseException, program_options: Dict) -> Result:
     byte_budget = budget is not None and not isinstance(budget, float) and budget not in (0, 1) and not (
         isinstance(budget, str) and budget.endswith("%"))
     if isinstance(root, BudgetInfeasible):
+        if "cannot all be met at once" in str(root):  # region budgets (remat.annotate's) that no plan meets together
+            return Result("expected_error", text)
         if not byte_budget:
             return Result("remat_error", f"BudgetInfeasible for memory_budget={budget!r}: {text}")
         if "feasible minimum" not in str(root) and "minimum" not in str(root):
