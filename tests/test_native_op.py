@@ -162,7 +162,8 @@ def test_an_offloaded_output_modified_in_place_later_in_the_region_is_caught():
 
 
 @pytest.mark.parametrize("policy", [P.SAVE, P.OFFLOAD])
-@pytest.mark.parametrize("how", ["annotate mul_", "annotate relu inplace", "annotate dropout inplace", "native add_"])
+@pytest.mark.parametrize("how", ["annotate mul_", "annotate mul_ add_", "annotate relu inplace",
+                                 "annotate dropout inplace", "native add_"])
 def test_an_in_place_op_in_a_save_block_on_a_tensor_from_before_it_runs_again_in_recompute(mode, policy, how):
     """A helper's review: the recompute answered the in-place op from the block's cache, so the recomputed
     tensor kept its value from before the change for the ops after the block (silently wrong gradients,
@@ -178,6 +179,9 @@ def test_an_in_place_op_in_a_save_block_on_a_tensor_from_before_it_runs_again_in
             with remat.annotate("blk", policy) if on else contextlib.nullcontext():
                 if how == "annotate mul_":
                     h.mul_(3)
+                elif how == "annotate mul_ add_":  # the second was answered from the cache (a second review)
+                    h.mul_(3)
+                    h.add_(1)
                 elif how == "annotate relu inplace":
                     torch.nn.functional.relu(h, inplace=True)
                 else:

@@ -153,7 +153,7 @@ class _BlockPolicy:
     __slots__ = ("made", "decisions", "where", "cast_from")
 
     def __init__(self, where: str):
-        self.made: set = set()  # storages the scope's own ops made (not views)
+        self.made: set = set()  # storages the scope's own ops made (not views, not what in-place ops wrote into)
         self.decisions: list = []
         self.where = where
         self.cast_from: set = set()  # storages the forward cast (_to_copy) inside the scope
@@ -173,7 +173,7 @@ class _BlockPolicy:
                         f"it: the recompute cannot draw them again as the forward did. Make the block RECOMPUTE, or "
                         f"draw into a new tensor (torch.rand_like) inside it.")
                 decision = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
-        if not func.is_view:
+        if not func.is_view and not func._schema.is_mutable:  # an in-place op's output is what it wrote into
             for t in tree_flatten(getattr(ctx, "op_output", None))[0]:
                 if isinstance(t, torch.Tensor):
                     self.made.add(compat.storage_key(t))
