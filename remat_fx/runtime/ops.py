@@ -141,6 +141,22 @@ def _must_save(ctx, func, *args, **kwargs):
     return torch_checkpoint.CheckpointPolicy.MUST_SAVE
 
 
+def _written(func, args, kwargs) -> list:
+    """The tensors an op writes into: its arguments the schema marks written (``Tensor(a!)``, ``out=``,
+    lists of them), positional or by name."""
+    specs = func._schema.arguments
+    found = [a for spec, a in zip(specs, args) if spec.alias_info is not None and spec.alias_info.is_write]
+    found += [kwargs[spec.name] for spec in specs[len(args):]
+              if spec.name in kwargs and spec.alias_info is not None and spec.alias_info.is_write]
+    return [t for t in tree_flatten(found)[0] if isinstance(t, torch.Tensor)]
+
+
+def _watched(val) -> Optional[torch.Tensor]:
+    """A cached value's tensor whose version counter tells an in-place change: the tensor itself, or
+    the op's output an offloader kept in place (``_OffloadedValue.kept``)."""
+    return val if isinstance(val, torch.Tensor) else val.kept if isinstance(val, _OffloadedValue) else None
+
+
 class _BlockPolicy:
     """The caching policy of one SAVE/OFFLOAD scope's forward: every op's outputs are kept
     (``_must_save``), except where an op writes in place into a tensor made before the scope (``h.mul_(3)``
@@ -163,10 +179,7 @@ class _BlockPolicy:
         if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.Tensor):
             self.cast_from.add(compat.storage_key(args[0]))
         if func._schema.is_mutable:
-            written = [a for spec, a in zip(func._schema.arguments, (*args, *kwargs.values()))
-                       if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor)]
-            written += [v for k, v in kwargs.items() if k == "out" and isinstance(v, torch.Tensor)]
-            if any(compat.storage_key(t) not in self.made for t in written):
+            if any(compat.storage_key(t) not in self.made for t in _written(func, args, kwargs)):
                 if torch.Tag.nondeterministic_seeded in func.tags:
                     raise RuntimeError(
                         f"remat_fx: {func} in {self.where} writes random values in place into a tensor made before "
@@ -327,7 +340,7 @@ class SacCache:
         a relu_) gave the cached tensors are theirs now, so that a second backward through a retained
         graph does not take them for the user's changes (it raised "modified in place")."""
         for label, val in self.tensors():
-            watched = val if isinstance(val, torch.Tensor) else val.kept if isinstance(val, _OffloadedValue) else None
+            watched = _watched(val)
             if watched is not None:
                 self._version_of[label] = compat.tensor_version(watched)
 
@@ -356,8 +369,7 @@ class SacCache:
             )
 
         for label, val in self.tensors():
-            # an offloaded value the offloader kept in place (a CPU tensor) is the op's output itself
-            watched = val if isinstance(val, torch.Tensor) else val.kept if isinstance(val, _OffloadedValue) else None
+            watched = _watched(val)  # an offloaded value kept in place (a CPU tensor) is the op's output itself
             if watched is not None:
                 version, was = compat.tensor_version(watched), self._version_of[label]
                 if version != was:
