@@ -163,7 +163,7 @@ def test_an_offloaded_output_modified_in_place_later_in_the_region_is_caught():
 
 @pytest.mark.parametrize("policy", [P.SAVE, P.OFFLOAD])
 @pytest.mark.parametrize("how", ["annotate mul_", "annotate mul_ add_", "annotate relu inplace",
-                                 "annotate dropout inplace", "native add_"])
+                                 "annotate dropout inplace", "native add_", "annotate copy_ into a buffer"])
 def test_an_in_place_op_in_a_save_block_on_a_tensor_from_before_it_runs_again_in_recompute(mode, policy, how):
     """A helper's review: the recompute answered the in-place op from the block's cache, so the recomputed
     tensor kept its value from before the change for the ops after the block (silently wrong gradients,
@@ -173,6 +173,7 @@ def test_an_in_place_op_in_a_save_block_on_a_tensor_from_before_it_runs_again_in
 
     def body(x, on=True):
         h = (x @ w).cos()  # made before the block
+        buffer = torch.zeros(4, 8)
         if how == "native add_":
             (remat.native_op(torch.Tensor.add_, "add_", policy) if on else torch.Tensor.add_)(h, 1.5)
         else:
@@ -182,11 +183,14 @@ def test_an_in_place_op_in_a_save_block_on_a_tensor_from_before_it_runs_again_in
                 elif how == "annotate mul_ add_":  # the second was answered from the cache (a second review)
                     h.mul_(3)
                     h.add_(1)
+                elif how == "annotate copy_ into a buffer":  # a leaf made without grad before the block
+                    buffer.copy_(h.sin())
+                    buffer += 1
                 elif how == "annotate relu inplace":
                     torch.nn.functional.relu(h, inplace=True)
                 else:
                     torch.nn.functional.dropout(h, 0.5, inplace=True)
-        return (h * x).sin()  # reads h after the block
+        return (h * x).sin() + (buffer * x if how.endswith("buffer") else 0)  # reads h after the block
 
     torch.manual_seed(3)
     want = grads(body(x, on=False).sum(), [x, w])
@@ -211,7 +215,7 @@ def test_a_random_op_writing_in_place_into_a_tensor_from_before_a_save_block_is_
         remat.checkpoint("r")(body)(x)
 
 
-@pytest.mark.parametrize("how", ["a region called twice", "a weight cast before the block"])
+@pytest.mark.parametrize("how", ["a region called twice", "a weight cast before the block", "a plain cast"])
 def test_a_weight_autocast_cast_before_a_save_block_is_cast_again_in_its_recompute(how):
     """A helper's review: under autocast a weight cast before a SAVE block comes from autocast's cast
     cache in the forward (no cast in the block), while the recompute, its cast cache empty, casts it:
@@ -245,12 +249,21 @@ def test_a_weight_autocast_cast_before_a_save_block_is_cast_again_in_its_recompu
         out = remat.checkpoint("r")(body)(x, y) if on else body(x, y)
         return out.sum() + z.float().sum()
 
-    step = twice if how == "a region called twice" else cast_before
+    def plain_cast(on):  # no autocast: a cast of a tensor the recompute makes anew (a review of b480cde)
+        def body(x, y):
+            a = x.sin()
+            with remat.annotate("blk", P.SAVE) if on else contextlib.nullcontext():
+                g = a.double() * y.double()
+            return g
+
+        return (remat.checkpoint("r")(body)(x, y) if on else body(x, y)).sum()
+
+    step = {"a region called twice": twice, "a weight cast before the block": cast_before}.get(how, plain_cast)
     results = []
     for on in (False, True):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = step(on)
-        results.append(grads(loss, [x, y, w] if step is cast_before else [x, w]))
+        results.append(grads(loss, [x, y, w] if step is cast_before else [x, y] if step is plain_cast else [x, w]))
     assert_equal_grads(results[1], results[0])
 
 

@@ -159,47 +159,59 @@ def _watched(val) -> Optional[torch.Tensor]:
 
 class _BlockPolicy:
     """The caching policy of one SAVE/OFFLOAD scope's forward: every op's outputs are kept
-    (``_must_save``), except where an op writes in place into a tensor made before the scope (``h.mul_(3)``
-    in a SAVE block, ``h`` from before it): a cached answer would leave the recomputed ``h`` unchanged
-    for the ops after the block (silently wrong gradients), so that op runs again in the recompute, on
-    the recomputed tensor. A random op writing so (``h.uniform_()``) cannot be run again with the
-    forward's draws, and is refused. ``decisions``: what was answered, in call order, which the
-    replay of a torch that asks the policy again (2.11's list layout) is answered with."""
+    (``_must_save``), except two kinds of op that run again in the recompute instead. Casts
+    (``_to_copy``): autocast's cast cache makes their count differ between forward and recompute
+    (``_CastsOfRecompute``). And an op that writes in place into a tensor made before the scope
+    (``h.mul_(3)`` in a SAVE block, ``h`` from before it; ``o.copy_(...)`` into a buffer made before it):
+    a cached answer left the recomputed ``h`` unchanged for the ops after the block (silently wrong
+    gradients). Which tensors the recompute makes again cannot be told from here (a temporary made
+    without grad is a leaf, as a module's buffer is), so every such write runs again: a module buffer
+    updated in a SAVE block (BatchNorm's running statistics) is updated twice per step, as it is
+    anywhere else in a region (docs/eager.md, Safety). A random op writing so (``h.uniform_()``) cannot
+    be run again with the forward's draws, and is refused. This needs the op's
+    output in the policy's context (torch 2.13/2.14); where a torch calls the policy before the op
+    (2.11's list layout) every op is kept as before. ``decisions``: what was answered, per op in call
+    order, for a replay that asks the policy again (2.11)."""
 
-    __slots__ = ("made", "decisions", "where", "cast_from")
+    __slots__ = ("made", "decisions", "where")
 
     def __init__(self, where: str):
         self.made: set = set()  # storages the scope's own ops made (not views, not what in-place ops wrote into)
-        self.decisions: list = []
+        self.decisions: dict = {}
         self.where = where
-        self.cast_from: set = set()  # storages the forward cast (_to_copy) inside the scope
 
     def __call__(self, ctx, func, *args, **kwargs):
         decision = _must_save(ctx, func, *args, **kwargs)
-        if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.Tensor):
-            self.cast_from.add(compat.storage_key(args[0]))
-        if func._schema.is_mutable:
-            if any(compat.storage_key(t) not in self.made for t in _written(func, args, kwargs)):
+        out = getattr(ctx, "op_output", _ABSENT)
+        if out is not _ABSENT:
+            schema = func._schema
+            if func is torch.ops.aten._to_copy.default:
+                decision = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+            elif schema.is_mutable and any(compat.storage_key(t) not in self.made
+                                           for t in _written(func, args, kwargs)):
                 if torch.Tag.nondeterministic_seeded in func.tags:
                     raise RuntimeError(
                         f"remat_fx: {func} in {self.where} writes random values in place into a tensor made before "
                         f"it: the recompute cannot draw them again as the forward did. Make the block RECOMPUTE, or "
                         f"draw into a new tensor (torch.rand_like) inside it.")
                 decision = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
-        if not func.is_view and not func._schema.is_mutable:  # an in-place op's output is what it wrote into
-            for t in tree_flatten(getattr(ctx, "op_output", None))[0]:
-                if isinstance(t, torch.Tensor):
-                    self.made.add(compat.storage_key(t))
-        self.decisions.append(decision)
+            if not func.is_view and not schema.is_mutable:  # an in-place op's output is what it wrote into
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        self.made.add(compat.storage_key(t))
+        self.decisions.setdefault(func, []).append(decision)
         return decision
 
     def replayed(self) -> Callable:
-        answers = iter(self.decisions)
+        answers = {func: iter(found) for func, found in self.decisions.items()}
 
         def policy(ctx, func, *args, **kwargs):
-            answer = next(answers, None)
+            answer = next(answers[func], None) if func in answers else None
             return _must_save(ctx, func, *args, **kwargs) if answer is None else answer
         return policy
+
+
+_ABSENT = object()
 
 
 def native_op(fn, name: str, policy=None):
@@ -235,21 +247,22 @@ class SacScope:
     without running the ops, then restores the RNG the skipped ops consumed. Under
     RECOMPUTE the ops simply run."""
 
-    __slots__ = ("handle", "mode", "storage", "hidden", "policy", "casts")
+    __slots__ = ("handle", "mode", "storage", "hidden", "policy")
 
     def __init__(self, handle: RematHandle):
         self.handle, self.mode, self.storage, self.hidden, self.policy = handle, None, None, None, None
-        self.casts: Optional[_CastsOfRecompute] = None
 
     def __enter__(self):
         handle, tape = self.handle, self.handle.tape
         if handle.policy is CheckpointPolicy.RECOMPUTE:
             return self
-        # an enclosing SAVE scope's cache does not see this scope's calls, in the forward nor in the
-        # recompute (where this scope replays them from its own cache, and runs what it did not cache)
-        self.hidden = compat.without_dispatch_modes(list(tape.caching))
-        self.hidden.__enter__()
+        entered = []  # (context, whether it is on tape.caching), in the order entered
         try:
+            # an enclosing SAVE scope's cache does not see this scope's calls, in the forward nor in the
+            # recompute (where this scope replays them from its own cache, and runs what it did not cache)
+            hidden = compat.without_dispatch_modes(list(tape.caching))
+            hidden.__enter__()
+            entered.append((hidden, False))
             if tape.phase == FORWARD:
                 self.policy = _BlockPolicy(f"'{handle.name}' (region '{tape.name}')")
                 self.mode, self.storage = compat.sac_forward_mode(self.policy)
@@ -258,32 +271,28 @@ class SacScope:
                 sac = handle.record.sac
                 self.mode = compat.sac_replay_mode(sac.policy.replayed(), sac.load(tape, handle.name))
             self.mode.__enter__()
-            if tape.phase != FORWARD:
-                self.casts = _CastsOfRecompute(self.handle.record.sac.policy.cast_from, self.mode)
-                self.casts.__enter__()
-        except BaseException:  # the enclosing modes back on, as they were
-            if self.mode is not None and self.casts is None:
-                self.mode.__exit__(None, None, None)
+            entered.append((self.mode, True))
+            if tape.phase != FORWARD:  # casts run past the replay (_CastsOfRecompute)
+                casts = _CastsOfRecompute(self.mode)
+                casts.__enter__()
+                entered.append((casts, True))
+        except BaseException:
             self.mode = None
-            hidden, self.hidden = self.hidden, None
-            hidden.__exit__(None, None, None)
+            _leave(entered, (None, None, None))  # the enclosing modes back on, as they were
             raise
-        tape.caching.append(self.mode)
-        if self.casts is not None:
-            tape.caching.append(self.casts)
+        tape.caching.extend(c for c, on_tape in entered if on_tape)
+        self.hidden = entered
         return self
 
     def __exit__(self, *exc):
         if self.mode is None:
             return False
-        if self.casts is not None:
-            self.handle.tape.caching.pop()
-            casts, self.casts = self.casts, None
-            casts.__exit__(*exc)
-        self.handle.tape.caching.pop()
-        self.mode.__exit__(*exc)
-        hidden, self.hidden = self.hidden, None
-        hidden.__exit__(*exc)
+        entered, self.hidden = self.hidden, None
+        tape = self.handle.tape
+        for _, on_tape in entered:
+            if on_tape:
+                tape.caching.pop()
+        _leave(entered, exc)
         if exc[0] is None:
             handle, rec = self.handle, self.handle.record
             if self.storage is not None:
@@ -298,22 +307,34 @@ class SacScope:
         return False
 
 
-class _CastsOfRecompute(TorchDispatchMode):
-    """Above a scope's replay mode in the recompute: a cast (``_to_copy``) of a tensor the forward did
-    not cast inside the scope runs as it is, past the replay. Under autocast a weight cast before the
-    scope (a tied weight, a region called twice) is taken from autocast's cast cache in the forward, so
-    the scope cached no cast of it, while the recompute starts with an empty cast cache and casts it:
-    the replay then failed on a call it had not cached, or handed it the scope's next cached cast of the
-    same shape (silently wrong gradients)."""
+def _leave(entered: list, exc) -> None:
+    """Exit the contexts of ``entered`` (context, on tape) last first, every one even where one raises
+    (the first error is raised after)."""
+    error = None
+    for context, _ in reversed(entered):
+        try:
+            context.__exit__(*exc)
+        except BaseException as e:  # noqa: BLE001 - the others are left all the same
+            error = error or e
+    if error is not None:
+        raise error
 
-    def __init__(self, cast_from: set, replay):
+
+class _CastsOfRecompute(TorchDispatchMode):
+    """Above a scope's replay mode in the recompute: every cast (``_to_copy``) runs as it is, past the
+    replay, and the forward caches none (``_BlockPolicy``). Under autocast a weight cast before the
+    scope (a tied weight, a region called twice) comes from autocast's cast cache in the forward, so
+    the scope saw no cast of it, while the recompute, its cast cache empty, casts it: the replay then
+    failed on a call it had not cached, or handed it the scope's next cached cast of the same shape
+    (silently wrong gradients). A cast is cheap to redo, and the counts no longer need to match."""
+
+    def __init__(self, replay):
         super().__init__()
-        self.cast_from, self.replay = cast_from, replay
+        self.replay = replay
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = {} if kwargs is None else kwargs
-        if func is torch.ops.aten._to_copy.default and args and isinstance(args[0], torch.Tensor) and \
-                compat.storage_key(args[0]) not in self.cast_from:
+        if func is torch.ops.aten._to_copy.default:
             with compat.without_dispatch_modes([self.replay]):
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
