@@ -103,6 +103,8 @@ META_REGION = "remat_region"  # the enclosing remat.checkpoint region's name
 META_REGION_GLOBS = "remat_region_globs"  # (save, offload, recompute) glob tuples of that region
 META_BUDGET_REGION = "remat_budget_region"  # the innermost remat.annotate(..., memory_budget=...) block
 META_BUDGET = "remat_budget"  # that block's budget, as written (fraction, bytes or size string)
+META_KEYS = frozenset({META_NAME, META_POLICY, META_KIND, META_REGION, META_REGION_GLOBS, META_BUDGET_REGION,
+                       META_BUDGET})
 
 
 def tracing_annotation(entries: dict):

@@ -37,6 +37,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from remat_fx.memory_budget import Budget
+from remat_fx.naming import META_KEYS
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent
 _TAG_META = ("nn_module_stack", "custom", "recompute", "ac_graph_id")  # what passes/tag.py and naming read
@@ -134,8 +135,10 @@ def annotations_digest(gm: fx.GraphModule) -> str:
     digest = hashlib.sha256()
     for node in gm.graph.nodes:
         custom = node.meta.get("custom")
-        if custom:
-            digest.update(repr((node.name, sorted((str(k), repr(v)) for k, v in custom.items()))).encode())
+        if custom:  # remat's own keys only: torch keeps objects there whose repr holds an address
+            mine = sorted((k, repr(v)) for k, v in custom.items() if k in META_KEYS)
+            if mine:
+                digest.update(repr((node.name, mine)).encode())
     return digest.hexdigest()[:24]
 
 

@@ -516,14 +516,14 @@ class CompiledGraph:
                 over.append(f"{name}: {size} -> {now}")
         if not over:
             return
-        # the user's options (a whole-step plan lowers it with the step's limits taken off)
+        # the user's options (a whole-step plan lowers it with the step's limits taken off); byte limits only
+        self.size_warned = True  # said once, or nothing to say: the sizes are not checked again
         if self.fit_limit is not None:
             limit = f"remat.fit peak {fmt_bytes(self.fit_limit)}"
         elif step_limit_given(self.options) is not None:
-            limit = _step_limits(self.options)
+            limit = _step_limits(self.options, bytes_only=True)
         else:
             return
-        self.size_warned = True
         said = (STEP.number, ", ".join(over), limit)
         if said in _SIZES_SAID:  # another graph of the step, over by the same sizes
             return
@@ -534,7 +534,8 @@ class CompiledGraph:
                       f"grows with its sizes, so the step's {limit} was not planned for this call and may not hold. "
                       f"Make the call that compiles it (or remat.fit's example) the largest batch and sequence the "
                       f"job runs, or pad batches to one size (a short last batch: drop it, DataLoader(drop_last="
-                      f"True), or pad it; Dynamo recompiles at the first call of a new size).", stacklevel=2)
+                      f"True), or pad it; after it Dynamo compiles a graph of dynamic sizes at its size).",
+                      stacklevel=2)
 
     def __repr__(self) -> str:
         return f"CompiledGraph({self.index}, {self.key})"
@@ -1129,10 +1130,12 @@ def step_limit_given(options: BackendOptions) -> Optional[str]:
     return None
 
 
-def _step_limits(options: BackendOptions) -> str:
-    """The whole-step limits among ``options``, as a user wrote them ('' if none)."""
+def _step_limits(options: BackendOptions, bytes_only: bool = False) -> str:
+    """The whole-step limits among ``options``, as a user wrote them ('' if none); ``bytes_only``: not a
+    fraction peak_budget."""
     said = []
-    if options.step_peak is not None:
+    if options.step_peak is not None and not (bytes_only and options.step_peak != "auto"
+                                              and options.step_peak.nbytes is None):
         said.append(f"peak_budget {options.step_peak}")
     if options.memory_budget is not None and options.memory_budget.nbytes is not None:
         said.append(f"memory_budget {fmt_bytes(options.memory_budget.nbytes)}")

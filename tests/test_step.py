@@ -495,8 +495,8 @@ def test_a_graph_of_dynamic_sizes_called_over_its_planned_sizes_under_a_byte_lim
         r"called at larger ones \(\w+\.shape\[1\]: 8 -> 16\)\. What it saves for backward grows with its sizes, so "
         rf"the step's {limit} was not planned for this call and may not hold\. Make the call that compiles it "
         r"\(or remat\.fit's example\) the largest batch and sequence the job runs, or pad batches to one size "
-        r"\(a short last batch: drop it, DataLoader\(drop_last=True\), or pad it; Dynamo recompiles at the first call "
-        r"of a new size\)\.",
+        r"\(a short last batch: drop it, DataLoader\(drop_last=True\), or pad it; after it Dynamo compiles a graph "
+        r"of dynamic sizes at its size\)\.",
         said[2][0]), said[2]
 
 

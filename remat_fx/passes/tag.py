@@ -129,6 +129,11 @@ def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions,
     return None
 
 
+def _region_of(joint: JointGraph, node: fx.Node) -> tuple:
+    """The checkpoint region a node is in: (its torch.utils.checkpoint graph id, its remat region's name)."""
+    return node.meta.get("ac_graph_id"), joint.custom(node).get(META_REGION)
+
+
 def _region(custom: dict) -> str:
     """A region by its name; a torch.utils.checkpoint region has none (it was written '?')."""
     name = custom.get(META_REGION)
@@ -176,11 +181,12 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
     # backward (the eager tape holds the region's outputs)
     for node in [n for n, t in tags.items() if t.policy is TorchPolicy.MUST_SAVE and _is_view(n)
                  and t.reason.startswith("output of ")]:
-        base = node
+        base, region = node, _region_of(joint, node)
         while _is_view(base) and base.args and isinstance(base.args[0], fx.Node) and base.args[0] in joint.forward:
             base = base.args[0]
             held = tags.get(base)
-            if held is None or held.policy is TorchPolicy.PREFER_RECOMPUTE:
+            # inside the region only: a view of the region's input, or of what it read, is not its to keep
+            if _region_of(joint, base) == region and (held is None or held.policy is TorchPolicy.PREFER_RECOMPUTE):
                 tags[base] = tags[node]  # the storage the region's output views
             else:
                 break
