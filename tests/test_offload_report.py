@@ -115,6 +115,16 @@ def test_use_offloader_without_with_warns_that_it_set_nothing():
             remat.checkpoint()(_block(w1, w2))(torch.randn(4, 8)).sum().backward()
         del scope
     assert len(off.log) == 6
+    decorated = CountingOffloader()
+
+    @remat.use_offloader(decorated)  # a decorator, as the contextmanager it replaced was: entered per call
+    def step():
+        remat.checkpoint()(_block(w1, w2))(torch.randn(4, 8)).sum().backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step()
+    assert len(decorated.log) == 6
 
 
 def test_report_names_bytes_and_table():

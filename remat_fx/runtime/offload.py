@@ -9,6 +9,7 @@ or for a scope (``with remat.use_offloader(...)``); the default is
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from contextvars import ContextVar
 from typing import Any, Optional
@@ -86,17 +87,20 @@ def check_offloader(offloader) -> Any:
     return offloader
 
 
-class use_offloader:  # noqa: N801 - used as a function: ``with remat.use_offloader(off):``
+class use_offloader(contextlib.ContextDecorator):  # noqa: N801 - named as the function it replaced
     """Use ``offloader`` for OFFLOAD ops in checkpoint regions entered inside this block:
-    ``with remat.use_offloader(offloader): ...``. The offloader is checked when it is named; a scope
-    made and never entered (the call without ``with``, which sets nothing) warns when it is dropped."""
-
-    __slots__ = ("offloader", "_tokens", "_entered")
+    ``with remat.use_offloader(offloader): ...``, or around a function (``@remat.use_offloader(off)``).
+    The offloader is checked when it is named; a scope made and never entered nor used to decorate
+    (the call without ``with``, which sets nothing) warns when it is dropped."""
 
     def __init__(self, offloader):
         self.offloader = check_offloader(offloader)
         self._tokens: list = []
         self._entered = False
+
+    def __call__(self, func):
+        self._entered = True  # a decorator: entered at each call of ``func``
+        return super().__call__(func)
 
     def __enter__(self):
         self._entered = True
