@@ -11,9 +11,10 @@ producer is skipped in recompute, so the op's own backward has real tensors.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from contextvars import ContextVar
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch.utils import checkpoint as torch_checkpoint
@@ -109,7 +110,8 @@ def auto_forward(*saved_names: str):
                 ctx.save_for_backward = lambda *ts: captured.append(ts)
                 # a SAVE/OFFLOAD Function is not run in recompute: an enclosing SAVE scope's cache
                 # must not count the calls of its forward (compat.without_dispatch_modes)
-                hide = compat.without_dispatch_modes(list(tape.caching) if handle.policy.skips_recompute else [])
+                hide = compat.without_dispatch_modes(list(tape.caching)) \
+                    if handle.policy.skips_recompute and tape.caching else contextlib.nullcontext()
                 try:
                     with hide:
                         out = forward(ctx, *args, **kwargs)
@@ -170,15 +172,14 @@ class _BlockPolicy:
     anywhere else in a region (docs/eager.md, Safety). A random op writing so (``h.uniform_()``) cannot
     be run again with the forward's draws, and is refused. This needs the op's
     output in the policy's context (torch 2.13/2.14); where a torch calls the policy before the op
-    (2.11's list layout) every op is kept as before. ``decisions``: what was answered, per op in call
-    order, for a replay that asks the policy again (2.11)."""
+    (2.11's list layout) every op is kept as before, ``_must_save``'s answer, which that torch's replay,
+    asking the policy again, gets from ``_must_save`` too (2.13/2.14's replay does not ask)."""
 
-    __slots__ = ("made", "decisions", "where")
+    __slots__ = ("made", "where")
 
-    def __init__(self, where: str):
+    def __init__(self, where: tuple):
         self.made: set = set()  # storages the scope's own ops made (not views, not what in-place ops wrote into)
-        self.decisions: dict = {}
-        self.where = where
+        self.where = where  # (op or block name, region name): for the error only
 
     def __call__(self, ctx, func, *args, **kwargs):
         decision = _must_save(ctx, func, *args, **kwargs)
@@ -191,24 +192,15 @@ class _BlockPolicy:
                                            for t in _written(func, args, kwargs)):
                 if torch.Tag.nondeterministic_seeded in func.tags:
                     raise RuntimeError(
-                        f"remat_fx: {func} in {self.where} writes random values in place into a tensor made before "
-                        f"it: the recompute cannot draw them again as the forward did. Make the block RECOMPUTE, or "
-                        f"draw into a new tensor (torch.rand_like) inside it.")
+                        f"remat_fx: {func} in '{self.where[0]}' (region '{self.where[1]}') writes random values in "
+                        f"place into a tensor made before it: the recompute cannot draw them again as the forward "
+                        f"did. Make the block RECOMPUTE, or draw into a new tensor (torch.rand_like) inside it.")
                 decision = torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
             if not func.is_view and not schema.is_mutable:  # an in-place op's output is what it wrote into
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
                         self.made.add(compat.storage_key(t))
-        self.decisions.setdefault(func, []).append(decision)
         return decision
-
-    def replayed(self) -> Callable:
-        answers = {func: iter(found) for func, found in self.decisions.items()}
-
-        def policy(ctx, func, *args, **kwargs):
-            answer = next(answers[func], None) if func in answers else None
-            return _must_save(ctx, func, *args, **kwargs) if answer is None else answer
-        return policy
 
 
 _ABSENT = object()
@@ -247,10 +239,10 @@ class SacScope:
     without running the ops, then restores the RNG the skipped ops consumed. Under
     RECOMPUTE the ops simply run."""
 
-    __slots__ = ("handle", "mode", "storage", "hidden", "policy")
+    __slots__ = ("handle", "mode", "storage", "hidden")
 
     def __init__(self, handle: RematHandle):
-        self.handle, self.mode, self.storage, self.hidden, self.policy = handle, None, None, None, None
+        self.handle, self.mode, self.storage, self.hidden = handle, None, None, None
 
     def __enter__(self):
         handle, tape = self.handle, self.handle.tape
@@ -260,16 +252,16 @@ class SacScope:
         try:
             # an enclosing SAVE scope's cache does not see this scope's calls, in the forward nor in the
             # recompute (where this scope replays them from its own cache, and runs what it did not cache)
-            hidden = compat.without_dispatch_modes(list(tape.caching))
-            hidden.__enter__()
-            entered.append((hidden, False))
+            if tape.caching:
+                hidden = compat.without_dispatch_modes(list(tape.caching))
+                hidden.__enter__()
+                entered.append((hidden, False))
             if tape.phase == FORWARD:
-                self.policy = _BlockPolicy(f"'{handle.name}' (region '{tape.name}')")
-                self.mode, self.storage = compat.sac_forward_mode(self.policy)
+                policy = _BlockPolicy((handle.name, tape.name))
+                self.mode, self.storage = compat.sac_forward_mode(policy)
             else:
                 # cache hits on in-place ops (dropout's bernoulli_) bump versions: checked in load() instead
-                sac = handle.record.sac
-                self.mode = compat.sac_replay_mode(sac.policy.replayed(), sac.load(tape, handle.name))
+                self.mode = compat.sac_replay_mode(_must_save, handle.record.sac.load(tape, handle.name))
             self.mode.__enter__()
             entered.append((self.mode, True))
             if tape.phase != FORWARD:  # casts run past the replay (_CastsOfRecompute)
@@ -298,7 +290,6 @@ class SacScope:
             if self.storage is not None:
                 offloader = handle.tape.offloader if handle.policy is CheckpointPolicy.OFFLOAD else None
                 rec.sac = SacCache(self.storage, offloader)
-                rec.sac.policy = self.policy
             else:
                 if rec.sac is not None and not rec.sac.released:
                     rec.sac.settled()  # the replay's own in-place answers (dropout's bernoulli_) changed versions
@@ -344,12 +335,11 @@ class SacCache:
     """The outputs PyTorch's SAC caching mode stored for one native SAVE/OFFLOAD call (its storage
     layout is torch's and version-dependent: only torch_compat reads or copies it)."""
 
-    __slots__ = ("entries", "offloader", "released", "_version_of", "policy")
+    __slots__ = ("entries", "offloader", "released", "_version_of")
 
     def __init__(self, storage, offloader):
         self.offloader = offloader
         self.released = False
-        self.policy: Optional[_BlockPolicy] = None  # the forward's caching policy (its decisions)
         # the op may mutate its own intermediates (dropout's bernoulli_): what must not
         # change is each cached tensor from the end of the op to its recompute
         self._version_of = {label: compat.tensor_version(val) for label, val in compat.sac_cached(storage)
