@@ -257,15 +257,21 @@ def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), 
 
     The 0-1 program in the 'available / recomputed' form: a_v = s_v + r_v. Its rows other than
     the budgets are difference constraints (a network matrix), so the LP relaxation is integral
-    but for the budget rows and branch-and-bound closes fast."""
+    but for the budget rows and branch-and-bound closes fast; a storage held by a saved view whose
+    base cannot be saved adds a variable and a row per node of it (``held``), in few graphs."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
 
     nodes = problem.order
     n = len(nodes)
     index = {v: i for i, v in enumerate(nodes)}
-    A, R = 0, n  # variable blocks: a_v (available in backward), r_v (recomputed)
-    nvar = 2 * n
+    # a storage a view of which may be saved (a view that must be saved, of a base that cannot be:
+    # build_problem) is held when any of its nodes is saved: its bytes go on a variable of its own,
+    # h_b >= s_v for each of its nodes, counted once, as Problem.bytes_of counts them
+    held = sorted({problem.base[v] for v in nodes if problem.base[v] != v and v in problem.can_save})
+    A, R, H = 0, n, 2 * n  # variable blocks: a_v (available in backward), r_v (recomputed), h_b (held)
+    hindex = {b: H + k for k, b in enumerate(held)}
+    nvar = 2 * n + len(held)
     rows, cols, vals, lo, hi = [], [], [], [], []
 
     def row(entries, lb, ub):
@@ -289,17 +295,25 @@ def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), 
             upper[R + i] = 0
         for u in problem.inputs[v]:
             row([(R + i, 1), (A + index[u], -1)], -np.inf, 0)  # a recompute needs its inputs
-    # saved bytes = sum over storage owners of m_v s_v (views are never saved: their base is)
-    weight = np.array([problem.storage_bytes[v] if problem.base[v] == v else 0 for v in nodes], dtype=float)
+        if problem.base[v] in hindex:
+            row([(A + i, 1), (R + i, -1), (hindex[problem.base[v]], -1)], -np.inf, 0)  # s_v <= h_b
+    # saved bytes = sum over storage owners of m_v s_v (views are never saved: their base is), and over
+    # the held storages of m_b h_b
+    weight = np.array([problem.storage_bytes[v] if problem.base[v] == v and v not in hindex else 0 for v in nodes],
+                      dtype=float)
+    hweight = np.array([problem.storage_bytes[b] for b in held], dtype=float)
 
-    def bytes_coefficients(group):  # on a_v and on r_v (s_v = a_v - r_v)
-        ws = weight if group is None else np.where([v in problem.groups[group] for v in nodes], weight, 0.0)
-        return ws, -ws
+    def bytes_coefficients(group):  # on a_v, on r_v (s_v = a_v - r_v), and on h_b
+        if group is None:
+            return weight, -weight, hweight
+        ws = np.where([v in problem.groups[group] for v in nodes], weight, 0.0)
+        hs = np.where([b in problem.groups[group] for b in held], hweight, 0.0) if held else hweight
+        return ws, -ws, hs
 
     def bytes_row(group, bound):
-        ca, cr = bytes_coefficients(group)
-        row([(A + i, ca[i]) for i in range(n) if ca[i]] + [(R + i, cr[i]) for i in range(n) if cr[i]],
-            -np.inf, bound)
+        ca, cr, ch = bytes_coefficients(group)
+        row([(A + i, ca[i]) for i in range(n) if ca[i]] + [(R + i, cr[i]) for i in range(n) if cr[i]] +
+            [(H + k, ch[k]) for k in range(len(held)) if ch[k]], -np.inf, bound)
 
     for tie in ties:  # the same decision for each node of a class (repeated blocks)
         first = index[tie[0]]
@@ -312,20 +326,22 @@ def _milp(problem: Problem, target, group_targets, *, objective=("cost", None), 
         bytes_row(group, gtarget)
 
     c = np.zeros(nvar)
-    total_bytes = max(weight.sum(), 1.0)
-    ca, cr = bytes_coefficients(None)
+    total_bytes = max(weight.sum() + hweight.sum(), 1.0)
+    ca, cr, ch = bytes_coefficients(None)
     kind, group = objective
     if kind == "cost":
         costs = np.array([problem.cost[v] for v in nodes], dtype=float)
         scale = costs.sum() or 1.0
         c[A:A + n] = 1e-2 * ca / total_bytes  # tie-break: of equally fast plans, the one saving least
-        c[R:] = 1e4 * costs / scale + 1e-2 * cr / total_bytes
+        c[R:R + n] = 1e4 * costs / scale + 1e-2 * cr / total_bytes
+        c[H:] = 1e-2 * ch / total_bytes
     else:
-        c[A:A + n], c[R:] = 1e4 * ca / total_bytes, 1e4 * cr / total_bytes
+        c[A:A + n], c[R:R + n], c[H:] = 1e4 * ca / total_bytes, 1e4 * cr / total_bytes, 1e4 * ch / total_bytes
         if group is not None:  # the group's bytes first, then the fewest bytes elsewhere
-            ga, gr = bytes_coefficients(group)
+            ga, gr, gh = bytes_coefficients(group)
             c[A:A + n] = 1e4 * (ga + 1e-3 * (ca - ga)) / total_bytes
-            c[R:] = 1e4 * (gr + 1e-3 * (cr - gr)) / total_bytes
+            c[R:R + n] = 1e4 * (gr + 1e-3 * (cr - gr)) / total_bytes
+            c[H:] = 1e4 * (gh + 1e-3 * (ch - gh)) / total_bytes
     A_ = coo_array((vals, (rows, cols)), shape=(len(lo), nvar)).tocsr()
     lo_, hi_ = np.array(lo, dtype=float), np.array(hi, dtype=float)
     key = _program_key(c, A_, lo_, hi_, lower, upper, time_limit)
