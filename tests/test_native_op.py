@@ -128,6 +128,43 @@ def test_a_save_op_nested_in_a_save_block_leaves_the_blocks_later_calls_their_ow
     mode.assert_grads(got, want)
 
 
+@pytest.mark.parametrize("how", ["annotate", "native_op", "glob"])
+def test_a_recompute_op_inside_a_save_block_is_recomputed_not_cached(how):
+    """A helper's parity review: a RECOMPUTE op inside a SAVE remat.annotate block (an inner block, a
+    RECOMPUTE native_op, or one a region's recompute glob names) was cached by the block as if SAVE
+    (its sin, its mm and its dropout: 5,120 bytes more here), while compiler mode recomputes it. It
+    now runs past the block's cache and again in the recompute, from the RNG state it began with: the
+    block's replay skips the dropout before it without drawing."""
+    w1, w2 = torch.randn(16, 64, requires_grad=True), torch.randn(64, 16, requires_grad=True)
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def inner(a):
+        return torch.nn.functional.dropout(torch.sin(a), 0.3) @ w2
+
+    def block(h, on=True):
+        with remat.annotate("outer", P.SAVE) if on else contextlib.nullcontext():
+            a = torch.nn.functional.dropout(torch.tanh(h @ w1), 0.5)
+            if not on:
+                b = inner(a)
+            elif how == "annotate":
+                with remat.annotate("outer.inner", P.RECOMPUTE):
+                    b = inner(a)
+            else:
+                b = remat.native_op(inner, "outer.inner", P.RECOMPUTE if how == "native_op" else None)(a)
+            c = torch.nn.functional.dropout(b.exp(), 0.2)
+        return c.relu()
+
+    torch.manual_seed(1)
+    want = grads(block(x, on=False).sum(), [x, w1, w2])
+    torch.manual_seed(1)
+    out = remat.checkpoint("r", recompute=["outer.inner"] if how == "glob" else [])(block)(x)
+    cached = sorted((e.name, e.bytes) for e in remat.memory_report(out).entries if e.op == "outer" and e.bytes)
+    assert cached == [("aten.empty_like.default#0.0", 2048), ("aten.empty_like.default#1.0", 512),
+                      ("aten.exp.default#0.0", 512), ("aten.mm.default#0.0", 2048),
+                      ("aten.mul.Tensor#0.0", 2048), ("aten.mul.Tensor#1.0", 512), ("aten.tanh.default#0.0", 2048)]
+    assert_equal_grads(grads(out.sum(), [x, w1, w2]), want)
+
+
 @pytest.mark.parametrize("policy", [P.SAVE, P.OFFLOAD])  # OFFLOAD kept in place on the CPU was not checked
 def test_mutating_cached_output_is_caught(policy):
     x = torch.randn(4, 4, requires_grad=True)

@@ -24,7 +24,7 @@ from remat_fx.naming import callable_name, check_name, op_annotation
 from remat_fx.policy import CheckpointPolicy, coerce_policy
 from remat_fx.runtime import torch_compat as compat
 from remat_fx.runtime.handle import RematHandle
-from remat_fx.runtime.tape import FORWARD, TensorMeta, active_tape, rng_restore
+from remat_fx.runtime.tape import FORWARD, TensorMeta, active_tape, rng_restore, rng_snapshot
 from remat_fx.runtime.torch_compat import tree_flatten, tree_unflatten
 
 
@@ -237,7 +237,7 @@ class SacScope:
     """Run a block of native ops as one named op: under SAVE/OFFLOAD the forward caches every
     op's output (PyTorch's SAC caching mode) and the recompute replays them from the cache
     without running the ops, then restores the RNG the skipped ops consumed. Under
-    RECOMPUTE the ops simply run."""
+    RECOMPUTE the ops simply run (inside a SAVE/OFFLOAD block, past its cache and replay)."""
 
     __slots__ = ("handle", "mode", "storage", "hidden")
 
@@ -247,6 +247,8 @@ class SacScope:
     def __enter__(self):
         handle, tape = self.handle, self.handle.tape
         if handle.policy is CheckpointPolicy.RECOMPUTE:
+            if tape.caching:
+                self._recompute_inside_a_block(handle, tape)
             return self
         entered = []  # (context, whether it is on tape.caching), in the order entered
         try:
@@ -276,10 +278,28 @@ class SacScope:
         self.hidden = entered
         return self
 
+    def _recompute_inside_a_block(self, handle: RematHandle, tape) -> None:
+        """A RECOMPUTE scope inside a SAVE/OFFLOAD block: its ops are not the block's to cache, and run
+        again in the recompute (past the block's replay), from the RNG state they began with in the
+        forward (the block's replay skips the ops before them without drawing; the block restores
+        the RNG state after it at its end)."""
+        rec = handle.record
+        if tape.phase == FORWARD:
+            rec.rng_before = rng_snapshot() if tape.preserve_rng else None
+        elif rec.rng_before is not None:
+            rng_restore(rec.rng_before)
+        hidden = compat.without_dispatch_modes(list(tape.caching))
+        hidden.__enter__()
+        self.mode, self.hidden = hidden, [(hidden, False)]
+
     def __exit__(self, *exc):
         if self.mode is None:
             return False
         entered, self.hidden = self.hidden, None
+        if self.handle.policy is CheckpointPolicy.RECOMPUTE:  # a RECOMPUTE scope inside a block
+            self.mode = None
+            _leave(entered, exc)
+            return False
         tape = self.handle.tape
         for _, on_tape in entered:
             if on_tape:

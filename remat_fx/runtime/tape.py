@@ -110,7 +110,7 @@ class Record:
     """The tape entry of one named op call."""
 
     __slots__ = ("name", "policy", "kind", "saved", "inputs", "input_metas",
-                 "out_metas", "out_single", "out_consts", "sac", "rng_after", "packs_before")
+                 "out_metas", "out_single", "out_consts", "sac", "rng_after", "rng_before", "packs_before")
 
     def __init__(self, name: str, policy: CheckpointPolicy, kind: str):
         self.name = name
@@ -124,6 +124,7 @@ class Record:
         self.out_consts: Optional[list] = None
         self.sac = None  # native SAVE: SAC storage of the op's outputs
         self.rng_after = None  # RNG state after the op, when a skipped op consumed randomness
+        self.rng_before = None  # a RECOMPUTE scope inside a SAVE block: the RNG state it began with
         self.packs_before = None  # tensors the region had saved for backward when this op began
 
     def slots(self):
