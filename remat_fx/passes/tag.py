@@ -116,7 +116,8 @@ def tag_node(joint: JointGraph, node: fx.Node, options: BackendOptions,
     region = node.meta.get("ac_graph_id")
     in_region = region is not None or custom.get(META_REGION) is not None
     if in_region and any(u in joint.forward and u.meta.get("ac_graph_id") != region for u in node.users):
-        # as in eager mode, a region's outputs are held by their consumers outside it
+        # as in eager mode, a region's outputs are held by their consumers outside it (autocast's cast of
+        # a weight that a later region reads from the cast cache too: docs/differences.md)
         return Tag(TorchPolicy.MUST_SAVE, f"output of {_region(custom)}")
     written = custom.get(META_POLICY)
     if in_region and written is not None and custom.get(META_NAME) is not None \
@@ -273,6 +274,13 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _is_layout(node: fx.Node) -> bool:
-    """Views and plain copies (decompositions add clones for contiguity): no compute to save."""
+    """Views, plain copies (decompositions add clones for contiguity) and casts: no compute to save
+    (the eager tape does not cache a cast in a SAVE block either: it runs again in the recompute)."""
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and (target.is_view or target is torch.ops.aten.clone.default)
+    return isinstance(target, torch._ops.OpOverload) and (target.is_view or target is torch.ops.aten.clone.default
+                                                          or _is_cast(node))
+
+
+def _is_cast(node: fx.Node) -> bool:
+    return node.target in (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
