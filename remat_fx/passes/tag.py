@@ -13,6 +13,8 @@ Precedence (first that applies):
      annotate (MUST); outside one it decides nothing, as in eager mode;
   6. inside a remat.checkpoint region: PREFER_RECOMPUTE, as non-reentrant AC recomputes it;
   7. otherwise no tag: the min-cut partitioner chooses.
+Over all of these: a forward op that reads a graph input the forward later changes in place (through
+views) is MUST_SAVE: recomputed in backward it would read the new value (_keep_readers_of_mutated_inputs).
 A SAVE op's inputs follow their own producers' tags, as on the eager tape, where a SAVE op's
 backward input made by a recomputed op is handed over again by the recompute.
 Backward nodes carry the forward's annotations in the joint graph and are never tagged.
@@ -191,6 +193,7 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
                 tags[base] = tags[node]  # the storage the region's output views
             else:
                 break
+    _keep_readers_of_mutated_inputs(joint, tags)
     # a tuple cannot be saved: a multi-output op stays banned from recompute and its getitem
     # outputs are what gets saved (a getitem left to recompute would need the banned tuple)
     for node in [n for n, t in tags.items() if t.saves and is_multi_output(n)]:
@@ -201,6 +204,30 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
         node.meta["recompute"] = tag.policy
     _warn_offload(joint, tags, options.warned)
     return tags
+
+
+def _keep_readers_of_mutated_inputs(joint: JointGraph, tags: Dict[fx.Node, Tag]) -> None:
+    """A graph input the forward changes in place (``z.add_(...)``, a buffer's ``copy_``, spectral
+    norm's vectors) is written back at the forward's end (AOTAutograd's ``copy_`` into the input): a
+    forward op that read its old value, recomputed in backward, would read the new one (silently
+    wrong gradients under a budget or a recompute glob; a helper's review). Such readers, reached
+    through views, are kept (MUST_SAVE), whatever else tagged them."""
+    mutated = {n.args[0] for n in joint.gm.graph.nodes
+               if n.target is torch.ops.aten.copy_.default and n.args and isinstance(n.args[0], fx.Node)
+               and n.args[0].op == "placeholder"}
+    for placeholder in mutated:
+        stack, seen = [placeholder], set()
+        while stack:
+            node = stack.pop()
+            for user in node.users:
+                if user in seen or user not in joint.forward or user.target is torch.ops.aten.copy_.default:
+                    continue
+                seen.add(user)
+                if _is_view(user):
+                    stack.append(user)
+                elif not is_random(user):
+                    tags[user] = Tag(TorchPolicy.MUST_SAVE, f"reads input '{placeholder.name}' before the forward "
+                                     f"changes it in place: a recompute in backward would read the new value")
 
 
 def _warn_offload(joint: JointGraph, tags: Dict[fx.Node, Tag], warned: set) -> None:
