@@ -296,6 +296,7 @@ class CompiledGraph:
         # size); a call over them is over what a byte limit was planned for (_over_planned_sizes)
         self.planned_sizes = _planned_sizes(self.pristine) if self.dynamic else []
         self.size_warned = False
+        self.entered = False  # a call of it has entered a step (_Step.enter)
         self.fit_limit: Optional[int] = None  # the peak a remat.fit that chose its plan measured it under
         context = TracingContext.try_get()
         self.fake_mode = context.fake_mode if context is not None else None
@@ -752,13 +753,25 @@ class _Step:
 
     def enter(self, graph: CompiledGraph) -> None:
         if self.backward_began:  # the first forward after a backward: a new step
+            # a graph never called before, compiled after every graph of the last step (a recompile after
+            # torch._dynamo.reset() or under other options, a new batch size): the last step is not this
+            # one's to plan now (it raised the old compile's limit error in the new model's first forward)
+            newer = not graph.entered and all(graph.index > g.index for g in self.last)
             self.calls, self.made, self.backward_began = [], {}, False
             self.number += 1
             self.auto = {k: v for k, v in self.auto.items() if k >= self.number}
             if self.number not in self.auto and any(g.options.step_peak == "auto" for g in self.last):
                 self.auto[self.number] = auto_limit()  # at the step's start, before its first forward
-            _after_step(self.last)  # the last step planned as a whole, against this step's reading
+            if not newer:
+                try:
+                    _after_step(self.last)  # the last step planned as a whole, against this step's reading
+                except BaseException:
+                    # this step has not begun: its next first forward plans (or refuses) the last one again;
+                    # it ran on otherwise, every other step over a limit no plan meets, silently (a review)
+                    self.backward_began = True
+                    raise
             self.settle()
+        graph.entered = True
         self.calls = [c for c in self.calls[-self._MAX_CALLS:] if c[1]() is not None]
         if len(self.made) > 4 * self._MAX_CALLS:  # forwards without a backward: only the calls kept
             self.made = {id(r()): (io, k, r) for _, _, io in self.calls for k, r in enumerate(io.outputs)
@@ -1152,6 +1165,10 @@ def _after_step(calls: List[CompiledGraph]) -> None:
         return
     sig = _signature(calls)
     if sig in STEP.planned:
+        failed = STEP.planned[sig]
+        if isinstance(failed, (PeakInfeasible, BudgetInfeasible)):
+            # raised again at every step of this shape: run on, it went over the limit silently (a review)
+            raise type(failed)(*failed.args)
         return
     opts = calls[0].options
     if calls is STEP.last and STEP.record_kind() == "mixed" and step_limit_given(opts) is None:
@@ -1183,7 +1200,11 @@ def _after_step(calls: List[CompiledGraph]) -> None:
     from remat_fx.ranks import plan_on_every_rank
 
     # every rank of a process group, planning or not: one that finds no plan fails them all
-    plan_on_every_rank(lambda: _plan_if_needed(calls, opts, saved_limit), all(g.first_compile for g in calls))
+    try:
+        plan_on_every_rank(lambda: _plan_if_needed(calls, opts, saved_limit), all(g.first_compile for g in calls))
+    except (PeakInfeasible, BudgetInfeasible) as e:
+        STEP.planned[sig] = type(e)(*e.args)  # no plan for this step: said at each step of it, not searched again
+        raise
 
 
 def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limit: Optional[int]) -> None:

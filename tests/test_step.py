@@ -700,6 +700,40 @@ def test_a_byte_memory_budget_below_the_whole_steps_minimum_is_a_budget_error(pe
         "graph at memory_budget "), str(info.value)
     assert "Raise the budget to at least 1,048,576 bytes" in str(info.value)
     assert "memory_budget -" not in str(info.value)
+    for _ in range(2):  # and at every later step of it (a review: they ran on over the limit, silently)
+        with pytest.raises(remat.BudgetInfeasible, match="is below its feasible minimum"):
+            step()
+
+
+def test_a_peak_budget_no_plan_of_the_step_meets_is_said_at_every_step():
+    """A review: the whole-step PeakInfeasible was raised once; the step's shape was marked planned
+    before the search failed, and every later step ran 3.5x over the limit without a word."""
+    model, step = make({"lower": "eager", "peak_budget": "5MiB"})  # the step's least: 5.32 MiB
+    step()  # its graphs planned one by one at their first calls: over (logged), and planned as a whole
+    for _ in range(3):
+        with pytest.raises(remat.PeakInfeasible, match=r"peak_budget 5.00 MiB .* for the whole step \(4 calls of 2"):
+            step()
+
+
+def test_a_new_compile_after_dynamo_reset_does_not_plan_the_old_compiles_step():
+    """A review: the first forward after a backward plans the last step as a whole; after
+    torch._dynamo.reset() and a new compile (the README's quick start does so) that was the old
+    compile's step, planned under its limit, and the new model's first forward raised its error. And
+    a step no plan meets is refused at each of its steps, but a new compile then starts afresh."""
+    model, step = make({"lower": "eager", "peak_budget": "5MiB"})
+    step()  # over the limit, said; the step is planned as a whole at the next one's first forward
+    torch._dynamo.reset()
+    model, step = make({"lower": "eager"})
+    step()
+    step()  # its own step, planned (without a limit: nothing to plan)
+    model, step = make({"lower": "eager", "peak_budget": "5MiB"})
+    step()
+    with pytest.raises(remat.PeakInfeasible):
+        step()
+    torch._dynamo.reset()
+    model, step = make({"lower": "eager", "peak_budget": "8MiB"})
+    step()
+    step()
 
 
 @pytest.mark.slow
