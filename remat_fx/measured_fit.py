@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import math
+import numbers
 import pathlib
 import time
 import warnings
@@ -186,6 +187,8 @@ def _limit(peak) -> int:
         except ValueError:
             raise ValueError("remat_fx: remat.fit's peak='auto' reads the free memory of the CUDA device, and no "
                              "CUDA device is available; give a size instead, e.g. peak='2GiB'") from None
+    if isinstance(peak, numbers.Integral) and not isinstance(peak, bool):
+        peak = int(peak)  # numpy's ints too, as peak_budget takes them
     if isinstance(peak, bool) or not isinstance(peak, (int, float, str)):
         raise ValueError(f"{_PEAK_HINT}, got {type(peak).__name__} {peak!r}")
     if isinstance(peak, int) and peak in (0, 1):  # fractions to parse_budget (a memory_budget's 0 and 1)
@@ -202,6 +205,8 @@ def _limit(peak) -> int:
     if budget is None or budget.nbytes is None:
         raise ValueError(f"{_PEAK_HINT}, got {peak!r}: fit measures the step's peak in bytes (a fraction is a "
                          f"memory_budget's or a peak_budget's, an option of the compile)")
+    if budget.nbytes == 0:  # it ran the step and a search first
+        raise ValueError(f"{_PEAK_HINT}, got {peak!r}: no step peaks at 0 bytes")
     return budget.nbytes
 
 

@@ -208,9 +208,13 @@ def _peak_budget(value, what):
                               f"available; give a size (peak_budget='2GiB') or a fraction (0.5)")
         return value
     try:
-        return parse_budget(value, what, "0 = the least peak found, 1 = the peak without a budget")
+        budget = parse_budget(value, what, "0 = the least peak found, 1 = the peak without a budget")
     except ValueError as e:
         raise OptionError(f"{e}; or 'auto' (CUDA: the device's free memory)") from None
+    if budget is not None and budget.nbytes == 0:  # it was refused as "1 B", after a search
+        raise OptionError(f"{what}={value!r} is a size of 0 bytes, under any step's peak; for the least peak any "
+                          f"plan reaches, give the fraction 0")
+    return budget
 
 
 def _blocks_alike(value, what):

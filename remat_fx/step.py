@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from remat_fx import plan_cache
 from remat_fx.memory_budget import Budget, fmt_bytes
 from remat_fx.options import BackendOptions
-from remat_fx.runtime.torch_compat import storage_key, storage_ref
+from remat_fx.runtime.torch_compat import current_graph_task, storage_key, storage_ref
 from remat_fx.passes import partition as _partition
 from remat_fx.passes.budget import BudgetInfeasible
 from remat_fx.passes import lower as _lower_module
@@ -508,7 +508,10 @@ class CompiledGraph:
         # not a call of the step when run on fake tensors (all of them are, or none: the first
         # tells): DDPOptimizer runs each compiled submodule once while compiling, to propagate
         # shapes to the next one
-        training = (self.plan is not None and torch.is_grad_enabled()
+        # nor when run inside a backward: torch.utils.checkpoint around a compiled block recomputes it
+        # there (a new step to the record: a whole-step plan lowered the graphs again in the middle of the
+        # backward, and the recompute, under the new plan, saved other tensors than the forward: a review)
+        training = (self.plan is not None and torch.is_grad_enabled() and current_graph_task() == -1
                     and not isinstance(next((a for a in args if isinstance(a, torch.Tensor)), None), FakeTensor))
         if training:
             STEP.enter(self)
@@ -772,6 +775,7 @@ class _Step:
         self.planned: Dict[tuple, object] = {}  # step signature -> shared fraction chosen (None: kept)
         self.step_plan: Optional[StepPlan] = None  # the last whole-step plan (plan_step)
         self.number = 0  # steps begun since the last reset (enter)
+        self.truncated = False  # a step of more calls than the record keeps was warned of
         self.auto: Dict[int, int] = {}  # step number -> peak_budget="auto" as that step read it (auto_limit)
 
     def enter(self, graph: CompiledGraph) -> None:
@@ -795,6 +799,13 @@ class _Step:
                     raise
             self.settle()
         graph.entered = True
+        if len(self.calls) >= self._MAX_CALLS and not self.truncated:
+            self.truncated = True  # said once a process
+            warnings.warn(f"remat_fx: this step calls graphs compiled with backend='remat' more than "
+                          f"{self._MAX_CALLS:,} times: its record keeps the last {self._MAX_CALLS:,} calls, so "
+                          f"remat.step_report() and a whole-step limit cover those only (the estimate is under the "
+                          f"step's peak). Compile a larger piece of the loop (fewer, larger graphs), or measure the "
+                          f"step with remat.fit.", stacklevel=3)
         self.calls = [c for c in self.calls[-self._MAX_CALLS:] if c[1]() is not None]
         if len(self.made) > 4 * self._MAX_CALLS:  # forwards without a backward: only the calls kept
             self.made = {id(r()): (io, k, r) for _, _, io in self.calls for k, r in enumerate(io.outputs)
