@@ -1076,6 +1076,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) -
     return graph
 
 
+_FIT_SAID: set = set()  # (the compile's options, the fit's limit) whose recompile was warned of
+
+
 def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) -> CompiledGraph:
     from remat_fx import measured_fit as _fit
 
@@ -1084,6 +1087,18 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
     if cached is not None:
         graph.compile(cached)
         return graph
+    fitted = next((g for g in STEP.last if g.fit_limit is not None and g.options.key() == options.key()), None)
+    if fitted is not None and not _fit.searching() and (options.key(), fitted.fit_limit) not in _FIT_SAID:
+        _FIT_SAID.add((options.key(), fitted.fit_limit))  # once, not once per graph of the recompile
+        # a recompile of a fitted compile (a short batch, new sizes, a guard that failed): fit's choice lives
+        # on the graphs it lowered, and this one takes the compile's options (silent until a review: the full
+        # batches after one short batch measured 11.1 MB against a fit to 6 MB)
+        warnings.warn(f"remat_fx: graph {graph.index} is compiled after remat.fit chose the plans of this compile's "
+                      f"graphs (a recompile: new input sizes, a short batch, a failed guard); it takes the compile's "
+                      f"own options, not the fit's, so the fit's peak {fmt_bytes(fitted.fit_limit)} is not held for "
+                      f"the steps that call it. Keep batch and sequence sizes fixed (pad, or drop a short last batch: "
+                      f"DataLoader(drop_last=True)), or call remat.fit again on a step of the new sizes.",
+                      stacklevel=3)
     per_graph, shrunk = graph_options(options)
     if not shrunk:
         try:
