@@ -316,6 +316,8 @@ class CompiledGraph:
         self.planned_sizes = _planned_sizes(self.pristine) if self.dynamic else []
         self.size_warned = False
         self.entered = False  # a call of it has entered a step (_Step.enter)
+        # its parameters (a graph compiled on a fitted graph's parameters after remat.fit: _compile_graph)
+        self.param_ids = frozenset(id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter))
         self.fit_limit: Optional[int] = None  # the peak a remat.fit that chose its plan measured it under
         context = TracingContext.try_get()
         self.fake_mode = context.fake_mode if context is not None else None
@@ -578,8 +580,8 @@ class CallIO:
         inputs = {storage_key(a) for a in args if isinstance(a, torch.Tensor)}
         # the leaves it takes the gradients of (its parameters): a call of the same graph on the same ones
         # (a cell called in a loop, one block run twice) adds to the gradients the first backward made
-        self.leaves = tuple(storage_key(a) for a in args
-                            if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad)
+        # (by the tensor: parameters that are views of one flat buffer each have a gradient of their own)
+        self.leaves = tuple(id(a) for a in args if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad)
         self.outputs = [weakref.ref(t) for t in tensors]  # to know them as a later call's inputs
         self.storage_of: List[Optional[int]] = []  # per output: index of its storage (None: an input's)
         self.expired: List[Callable[[], bool]] = []  # per storage: whether it is gone
@@ -776,6 +778,7 @@ class _Step:
         self.step_plan: Optional[StepPlan] = None  # the last whole-step plan (plan_step)
         self.number = 0  # steps begun since the last reset (enter)
         self.truncated = False  # a step of more calls than the record keeps was warned of
+        self.fit_said: set = set()  # (the compile's options, remat.fit's limit) whose recompile was warned of
         self.auto: Dict[int, int] = {}  # step number -> peak_budget="auto" as that step read it (auto_limit)
 
     def enter(self, graph: CompiledGraph) -> None:
@@ -789,7 +792,9 @@ class _Step:
             self.auto = {k: v for k, v in self.auto.items() if k >= self.number}
             if self.number not in self.auto and any(g.options.step_peak == "auto" for g in self.last):
                 self.auto[self.number] = auto_limit()  # at the step's start, before its first forward
-            if not newer:
+            # nor while remat.fit runs the step to collect it (it plans the step itself: a step refused
+            # before, which each later step is, must not refuse the fit that measures a way out of it)
+            if not newer and self.leaves is None:
                 try:
                     _after_step(self.last)  # the last step planned as a whole, against this step's reading
                 except BaseException:
@@ -1076,9 +1081,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) -
     return graph
 
 
-_FIT_SAID: set = set()  # (the compile's options, the fit's limit) whose recompile was warned of
-
-
 def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) -> CompiledGraph:
     from remat_fx import measured_fit as _fit
 
@@ -1087,12 +1089,14 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
     if cached is not None:
         graph.compile(cached)
         return graph
-    fitted = next((g for g in STEP.last if g.fit_limit is not None and g.options.key() == options.key()), None)
-    if fitted is not None and not _fit.searching() and (options.key(), fitted.fit_limit) not in _FIT_SAID:
-        _FIT_SAID.add((options.key(), fitted.fit_limit))  # once, not once per graph of the recompile
-        # a recompile of a fitted compile (a short batch, new sizes, a guard that failed): fit's choice lives
-        # on the graphs it lowered, and this one takes the compile's options (silent until a review: the full
-        # batches after one short batch measured 11.1 MB against a fit to 6 MB)
+    fitted = next((g for g in STEP.last if g.fit_limit is not None and g.options.key() == options.key()
+                   and g.param_ids & graph.param_ids), None) if torch.is_grad_enabled() else None
+    if fitted is not None and not _fit.searching() and (options.key(), fitted.fit_limit) not in STEP.fit_said:
+        STEP.fit_said.add((options.key(), fitted.fit_limit))  # once, not once per graph of the recompile
+        # a recompile of a fitted training graph (a short batch, new sizes, a guard that failed, the model
+        # compiled again with the same options): fit's choice lives on the graphs it lowered, and this one
+        # takes the compile's options (silent until a review: the full batches after one short batch
+        # measured 11.1 MB against a fit to 6 MB)
         warnings.warn(f"remat_fx: graph {graph.index} is compiled after remat.fit chose the plans of this compile's "
                       f"graphs (a recompile: new input sizes, a short batch, a failed guard); it takes the compile's "
                       f"own options, not the fit's, so the fit's peak {fmt_bytes(fitted.fit_limit)} is not held for "
@@ -1253,6 +1257,9 @@ def _after_step(calls: List[CompiledGraph]) -> None:
         plan_on_every_rank(lambda: _plan_if_needed(calls, opts, saved_limit), all(g.first_compile for g in calls))
     except (PeakInfeasible, BudgetInfeasible) as e:
         STEP.planned[sig] = type(e)(*e.args)  # no plan for this step: said at each step of it, not searched again
+        raise
+    except BaseException:
+        STEP.planned.pop(sig, None)  # interrupted (Ctrl-C, an error lowering again): planned at the next step
         raise
 
 
