@@ -239,3 +239,35 @@ def test_the_same_glob_in_save_and_recompute_options_is_refused_where_written():
     with pytest.raises(remat.OptionError, match=r"option 'save' must be a glob string or a list of them, got a "
                                                 r"dict \{'\*\.qkv': True\}"):
         remat.compile(Model(), save={"*.qkv": True})
+
+
+@pytest.mark.parametrize("kind", ["save", "recompute"])
+def test_a_glob_naming_an_annotate_block_selects_the_block_in_both_modes(kind):
+    """A parity review: the eager tape matches a region glob against a remat.annotate block's name
+    (save=["blk"] keeps the block), while compiler mode matched only the names of the block's ops
+    (blk.tanh.0): the glob selected nothing there (warned), and recompute=["blk"] on a SAVE block kept
+    it compiled, 2,048 bytes the tape did not hold."""
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(16, 64, requires_grad=True), torch.randn(64, 16, requires_grad=True)
+
+    def body(h):
+        with remat.annotate("blk", policy=remat.CheckpointPolicy.SAVE if kind == "recompute" else None):
+            a = torch.tanh(h @ w1)
+        return a @ w2
+
+    def f(x):
+        return remat.checkpoint("r", **{kind: ["blk"]})(body)(x)
+
+    x = torch.randn(8, 16)
+    eager = remat.memory_report(f(x)).bytes_by_owner()
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        torch.compile(f, backend="remat", fullgraph=True, options={"lower": "eager"})(x).sum().backward()
+    assert [str(w.message) for w in said if "matched no node" in str(w.message)] == []
+    plan = remat.last_plan()
+    if kind == "save":  # the tanh, which the matmul after it reads (the tape keeps the block's mm too)
+        assert eager == {"blk": 2 * 8 * 64 * 4} and plan.bytes_by_owner() == {"blk": 8 * 64 * 4}
+    else:
+        assert eager == plan.bytes_by_owner() == {}
+        assert "blk.tanh.0" in plan.recomputed

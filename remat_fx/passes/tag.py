@@ -33,8 +33,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy as TorchPolicy
 
-from remat_fx.naming import META_NAME, META_POLICY, META_REGION, META_REGION_GLOBS, NameGlobs, close_globs, \
-    shadowed_message
+from remat_fx.naming import META_KIND, META_NAME, META_POLICY, META_REGION, META_REGION_GLOBS, NameGlobs, \
+    close_globs, shadowed_message
 from remat_fx.options import BackendOptions
 from remat_fx.passes.capture import JointGraph, is_multi_output, is_random, module_outputs
 
@@ -86,9 +86,13 @@ def select(joint: JointGraph, globs: NameGlobs, nodes: Iterable[fx.Node]) -> Tup
             members.setdefault(path, set()).add(node)
     chosen: Dict[fx.Node, Selected] = {}
     unmatched: List[Tuple[str, str, list]] = []
+    # a remat.annotate block's name, as the eager tape matches it (a glob 'blk' selects the block 'blk',
+    # whose nodes are named 'blk.tanh.0': it matched none of them in compiler mode, a parity review)
+    blocks = {n: joint.custom(n).get(META_NAME) for n in nodes if joint.custom(n).get(META_KIND) == "annotate"}
     for kind, patterns in (("RECOMPUTE", globs.recompute), ("OFFLOAD", globs.offload), ("SAVE", globs.save)):
         for pattern in patterns:
-            named = {n for n in nodes if fnmatch.fnmatchcase(joint.names[n], pattern)}
+            named = {n for n in nodes if fnmatch.fnmatchcase(joint.names[n], pattern)
+                     or (n in blocks and blocks[n] is not None and fnmatch.fnmatchcase(blocks[n], pattern))}
             found: Dict[fx.Node, Optional[str]] = dict.fromkeys(named)
             for path, inside in members.items():
                 if fnmatch.fnmatchcase(path, pattern) and inside.isdisjoint(named):
