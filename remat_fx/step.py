@@ -811,7 +811,7 @@ class _Step:
             self.settle()
         graph.entered = True
         if len(self.calls) >= self._MAX_CALLS and not self.truncated:
-            self.truncated = True  # said once a process
+            self.truncated = True  # said once (a STEP.reset says it again)
             warnings.warn(f"remat_fx: this step calls graphs compiled with backend='remat' more than "
                           f"{self._MAX_CALLS:,} times: its record keeps the last {self._MAX_CALLS:,} calls, so "
                           f"remat.step_report() and a whole-step limit cover those only (the estimate is under the "
