@@ -246,30 +246,37 @@ class SacScope:
 
     def __enter__(self):
         handle, tape = self.handle, self.handle.tape
-        if handle.policy is CheckpointPolicy.RECOMPUTE:
-            if tape.caching:
-                self._recompute_inside_a_block(handle, tape)
+        recompute = handle.policy is CheckpointPolicy.RECOMPUTE
+        if recompute and not tape.caching:
             return self
         entered = []  # (context, whether it is on tape.caching), in the order entered
         try:
             # an enclosing SAVE scope's cache does not see this scope's calls, in the forward nor in the
-            # recompute (where this scope replays them from its own cache, and runs what it did not cache)
+            # recompute (where this scope replays them from its own cache, and runs what it did not cache;
+            # a RECOMPUTE scope runs them again, from the RNG state they began with in the forward: the
+            # block's replay skips its ops before them without drawing, and restores its RNG state after)
             if tape.caching:
+                if recompute and tape.phase == FORWARD:
+                    handle.record.rng_before = rng_snapshot() if tape.preserve_rng else None
+                elif recompute and handle.record.rng_before is not None:
+                    rng_restore(handle.record.rng_before)
                 hidden = compat.without_dispatch_modes(list(tape.caching))
                 hidden.__enter__()
                 entered.append((hidden, False))
-            if tape.phase == FORWARD:
-                policy = _BlockPolicy((handle.name, tape.name))
-                self.mode, self.storage = compat.sac_forward_mode(policy)
-            else:
-                # cache hits on in-place ops (dropout's bernoulli_) bump versions: checked in load() instead
-                self.mode = compat.sac_replay_mode(_must_save, handle.record.sac.load(tape, handle.name))
-            self.mode.__enter__()
-            entered.append((self.mode, True))
-            if tape.phase != FORWARD:  # casts run past the replay (_CastsOfRecompute)
-                casts = _CastsOfRecompute(self.mode)
-                casts.__enter__()
-                entered.append((casts, True))
+                self.mode = hidden
+            if not recompute:
+                if tape.phase == FORWARD:
+                    policy = _BlockPolicy((handle.name, tape.name))
+                    self.mode, self.storage = compat.sac_forward_mode(policy)
+                else:
+                    # cache hits on in-place ops (dropout's bernoulli_) bump versions: checked in load() instead
+                    self.mode = compat.sac_replay_mode(_must_save, handle.record.sac.load(tape, handle.name))
+                self.mode.__enter__()
+                entered.append((self.mode, True))
+                if tape.phase != FORWARD:  # casts run past the replay (_CastsOfRecompute)
+                    casts = _CastsOfRecompute(self.mode)
+                    casts.__enter__()
+                    entered.append((casts, True))
         except BaseException:
             self.mode = None
             _leave(entered, (None, None, None))  # the enclosing modes back on, as they were
@@ -278,28 +285,10 @@ class SacScope:
         self.hidden = entered
         return self
 
-    def _recompute_inside_a_block(self, handle: RematHandle, tape) -> None:
-        """A RECOMPUTE scope inside a SAVE/OFFLOAD block: its ops are not the block's to cache, and run
-        again in the recompute (past the block's replay), from the RNG state they began with in the
-        forward (the block's replay skips the ops before them without drawing; the block restores
-        the RNG state after it at its end)."""
-        rec = handle.record
-        if tape.phase == FORWARD:
-            rec.rng_before = rng_snapshot() if tape.preserve_rng else None
-        elif rec.rng_before is not None:
-            rng_restore(rec.rng_before)
-        hidden = compat.without_dispatch_modes(list(tape.caching))
-        hidden.__enter__()
-        self.mode, self.hidden = hidden, [(hidden, False)]
-
     def __exit__(self, *exc):
         if self.mode is None:
             return False
         entered, self.hidden = self.hidden, None
-        if self.handle.policy is CheckpointPolicy.RECOMPUTE:  # a RECOMPUTE scope inside a block
-            self.mode = None
-            _leave(entered, exc)
-            return False
         tape = self.handle.tape
         for _, on_tape in entered:
             if on_tape:
