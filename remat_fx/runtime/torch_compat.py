@@ -44,7 +44,8 @@ and what differs across versions:
   tests/test_native_op.py). Without it the block's replay gives a later call of the nested op's
   op the nested call's output (silently wrong gradients where the shapes agree). The same
   function lets a cast the forward took from autocast's cast cache run past a block's replay in
-  the recompute (runtime/ops.py ``_CastsOfRecompute``).
+  the recompute (runtime/ops.py ``_CastsOfRecompute``), and a RECOMPUTE scope inside a SAVE block
+  run past the block's cache and replay (``SacScope``).
 * **The innermost checkpoint frame** (:func:`current_checkpoint_frame`): the region's
   count of tensors saved so far and its early-stop flag, read from the closure of the
   pack hook of ``torch.utils.checkpoint``'s ``_checkpoint_hook`` (through
