@@ -7,8 +7,8 @@
 CPU: gloo, one process per rank. CUDA (when available): nccl, one GPU per rank, unchanged.
 Each block is ``fully_shard``-ed and compiled with ``backend="remat"`` (torchtitan's layout:
 FSDP2 per block, compile per block); the root is ``fully_shard``-ed too (embeddings, final
-LayerNorm, tied head). Every rank prints its step plan (``remat.step_report()``: saved bytes,
-the estimated peak) and, on CUDA, its measured peak. See docs/distributed.md.
+LayerNorm, tied head). Rank 0 prints every rank's step plan (``remat.step_report()``: saved
+bytes, the estimated peak) and, on CUDA, its measured peak. See docs/distributed.md.
 """
 from __future__ import annotations
 
@@ -100,14 +100,15 @@ def main(argv=None) -> None:
 
     report = remat.step_report()
     budgets = sorted({str(plan.budget.budget) for _, plan, _ in report.calls if plan.budget is not None})
-    for r in range(world):  # one rank at a time, so the lines do not interleave
-        if r == rank:
-            calls, graphs = len(report.calls), len(report.graphs)
-            plural = lambda n, word: f"{n} {word}{'s' * (n != 1)}"  # noqa: E731
-            print(f"rank {rank}: {plural(calls, 'call')} of {plural(graphs, 'compiled graph')}, saved for "
-                  f"backward {report.saved_bytes / 2**10:.1f} KiB, estimated step peak "
-                  f"{report.peak.peak / 2**20:.2f} MiB; memory_budget {', '.join(budgets) or 'none'}", flush=True)
-        dist.barrier()
+    calls, graphs = len(report.calls), len(report.graphs)
+    plural = lambda n, word: f"{n} {word}{'s' * (n != 1)}"  # noqa: E731
+    line = (f"rank {rank}: {plural(calls, 'call')} of {plural(graphs, 'compiled graph')}, saved for backward "
+            f"{report.saved_bytes / 2**10:.1f} KiB, estimated step peak {report.peak.peak / 2**20:.2f} MiB; "
+            f"memory_budget {', '.join(budgets) or 'none'}")
+    lines = [None] * world  # rank 0 prints every rank's line, in rank order
+    dist.all_gather_object(lines, line)
+    if rank == 0:
+        print("\n".join(lines), flush=True)
     dist.destroy_process_group()
 
 

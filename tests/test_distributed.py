@@ -491,12 +491,23 @@ def test_compiled_under_ddp_and_fsdp2(engine):
                                            "limit, which this rank could"), f"{where}: {error}"
 
 
+# PyTorch's gloo, at a process's exit (seen on torch 2.13, Python 3.11): a collective's work is
+# freed on gloo's own thread a moment after the caller saw it complete, and freeing it gives back
+# Python objects (its tensors', the backward's context). When that moment falls after the
+# interpreter began to shut down, the thread cannot take the GIL, and the process aborts with this
+# line (about 1 run in 7 of the example below on 2 busy cores; gdb shows gloo's run loop freeing an
+# AsyncAllgatherWork or a barrier's earlier works inside Py_FinalizeEx). The script has finished
+# by then; torch offers no call that waits for gloo's threads.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
 @pytest.mark.parametrize("precision", [[], ["--mixed-precision"]], ids=["fp32", "bf16 policy"])
 @pytest.mark.slow
 def test_train_distributed_example_runs_under_torchrun(precision):
     """examples/train_distributed.py (FSDP2 + backend="remat" + a memory budget), shrunk, under
     torchrun with 2 gloo ranks, in fp32 and under FSDP2's bf16 mixed-precision policy: it trains
-    and every rank reports its step plan."""
+    and every rank reports its step plan. A run that printed everything and then died of gloo's
+    abort at exit (GLOO_EXIT_ABORT) is run once more: a second such abort fails."""
     import os
     import subprocess
     import sys
@@ -507,19 +518,27 @@ def test_train_distributed_example_runs_under_torchrun(precision):
            str(root / "examples" / "train_distributed.py"), "--steps", "2", "--layers", "1", "--d-model", "64",
            "--seq", "16", "--budget", "0.3", *precision]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # torchrun and its workers
-        out, _ = proc.communicate()
-        pytest.fail(f"examples/train_distributed.py still running after 120 s: killed\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-3000:]
+    reports = [f"rank {rank}: 1 call of 1 compiled graph," for rank in range(WORLD)]
+
+    def run():
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # torchrun and its workers
+            out, _ = proc.communicate()
+            pytest.fail(f"examples/train_distributed.py still running after 120 s: killed\n{out[-3000:]}")
+        return proc.returncode, out
+
+    returncode, out = run()
+    if returncode != 0 and GLOO_EXIT_ABORT in out and all(r in out for r in reports):
+        returncode, out = run()
+    assert returncode == 0, out[-3000:]
     assert "step 1: loss" in out, out[-3000:]
     assert ("bf16 mixed precision" in out) == bool(precision), out[-3000:]
-    for rank in range(WORLD):
-        assert f"rank {rank}: 1 call of 1 compiled graph," in out and "memory_budget 0.3" in out, out[-3000:]
+    for report in reports:
+        assert report in out and "memory_budget 0.3" in out, out[-3000:]
 
 
 def _one_rank_compiles_worker(rank):
