@@ -929,8 +929,9 @@ def monotone_peak(cut, budgets, chosen, slack: float, levels: Optional[int] = 2,
     with 1, an 8-layer Llama's budget 0.05 was compared with 0.1's first plan (22.27 MiB) and kept 22.27
     MiB where 0.1's own compile held it at 21.27 MiB under 0.15's (docs/budgets.md). ``extend``
     (monotone="auto", the default since 2026-12-06: ``levels`` 2): where the chain's last level's first
-    plan peaks over the fastest plan of the grid target above it (a bump: that level's own compile holds
-    it lower), the chain goes on up, level by level, to the first level that does not (planned as on
+    plan peaks over the fastest plan of the grid target above it or of the top of the grid (a bump: that
+    level's own compile holds it lower), the chain goes on up, level by level, to the first level that
+    does not (planned as on
     CUDA, benchmarks/gpu.py's Llama in bf16 at budget 0.05: 0.1's plan held under 0.15's first plan,
     24.04 MiB, a bump over 0.2's 15.71, kept 0.05 at 22.65 MiB where 0.1's own compile gives 12.80;
     extended to 0.2, 12.79 MiB, as the grid's). The check compares with the next level's fastest plan,
@@ -938,6 +939,11 @@ def monotone_peak(cut, budgets, chosen, slack: float, levels: Optional[int] = 2,
     tie-break's gain goes unseen; against its partition without reruns, a check of one partition and no
     rerun search, the same Llama in float32 kept 0.1 at 26.00 MiB over 0.2's 24.00: 0.2's first plan,
     26.31, is a bump over 0.25's plan, not over its partition); each extension costs that level's plans.
+    The top of the grid is checked too (one partition more): where saving the most peaks lowest, as
+    recomputing makes temporaries, a bump two levels or more under the top is over no level above it
+    (8 Linear+GELU blocks, d 64, with a graph break: budget 0.6's first graph kept its first plan, 2.88
+    MB, saving 5x the bytes of 0.7's, held under the top's 2.82 MB; measured step peak 7.41 MB at 0.6,
+    6.88 at 0.7; now 6.88 at both).
     Not monotone by construction: a level under its neighbour above can still be over that neighbour's
     own envelope. Made the default once its tighter bound at budget 0 no longer gave the test GPT a plan
     of whole blocks rerun toward it that the least peak's plan beats in peak and time (passes/rerun.py:
@@ -973,9 +979,11 @@ def _envelope(cut, budgets, chosen, slack: float, depth: Optional[int], extend: 
     deeper = None if depth is None else depth - 1
     higher = [t for t in grid if t > near]
     # with extend, a bump goes on up: its own compile holds it under the level above (that level's
-    # fastest plan, with the reruns its slack allows: its plan peaks at or under it)
-    if extend and deeper == 0 and higher and \
-            near_chosen[2].peak.step > cut(_overall(budgets, Budget(nbytes=min(higher))))[2].peak.step:
+    # fastest plan, with the reruns its slack allows: its plan peaks at or under it), or under the top
+    # of the grid (saving the most can peak lowest where recomputing makes temporaries: a bump two
+    # levels down from the top is not over the level above it, and was kept over the top's peak)
+    if extend and deeper == 0 and higher and near_chosen[2].peak.step > min(
+            cut(_overall(budgets, Budget(nbytes=t)))[2].peak.step for t in {min(higher), max(higher)}):
         deeper = 1
     held, levels = _envelope(cut, nearby, near_chosen, slack, deeper, extend)
     levels = None if depth is None else levels + 1
