@@ -20,12 +20,29 @@ from typing import Callable, Dict, Optional
 import torch
 
 
+def measured_device(device=None, who: str = "remat_fx: the measured step peak") -> torch.device:
+    """The device a step's peak is measured on: ``device`` (a torch.device or its name, "cpu" or a
+    CUDA device that is available) or, for None, CUDA if available, else the CPU. A ValueError
+    naming ``who`` otherwise, before anything runs."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError):
+        found = None
+    if found is None or found.type not in ("cpu", "cuda"):
+        raise ValueError(f"{who}'s device must be 'cpu' or a CUDA device ('cuda', 'cuda:1', a torch.device), "
+                         f"got {device!r}")
+    if found.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{who}'s device is {device!r}, and no CUDA device is available; give device='cpu' or "
+                         f"leave it out")
+    return found
+
+
 def step_peak_bytes(step: Callable[[], object], device: Optional[torch.device] = None) -> int:
     """Incremental peak of one call of ``step()`` (e.g. a forward and backward), in bytes, on
     ``device`` (default: CUDA if available, else the CPU)."""
-    if device is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    device = measured_device(device)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -34,8 +51,6 @@ def step_peak_bytes(step: Callable[[], object], device: Optional[torch.device] =
         step()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device) - before)
-    if device.type != "cpu":
-        raise ValueError(f"remat_fx: measuring the step peak on {device.type} is not supported (cuda, cpu)")
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 

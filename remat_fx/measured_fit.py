@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import numbers
 import pathlib
 import time
@@ -38,7 +39,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 import torch.utils._pytree as pytree
 
-from remat_fx.measure import step_peak_bytes
+from remat_fx.measure import measured_device, step_peak_bytes
 from remat_fx.memory_budget import fmt_bytes, parse_budget
 from remat_fx.options import BackendOptions
 from remat_fx.passes.peak import PeakInfeasible
@@ -242,8 +243,15 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
     if cache is False and cache_dir is not None:
         raise ValueError(f"remat_fx: remat.fit got cache=False and cache_dir={str(cache_dir)!r}: give one (cache_dir "
                          f"turns the cache on there)")
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= margin < 1:
         raise ValueError(f"remat_fx: remat.fit's margin must be a fraction of the limit in [0, 1), got {margin!r}")
+    if not callable(step):
+        raise TypeError(f"remat_fx: remat.fit's step must be a function that runs one training step (forward and "
+                        f"backward), got {type(step).__name__}: pass the function, not what it returns, e.g. "
+                        f"remat.fit(lambda: model(x).backward(), peak=...)")
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(f"remat_fx: remat.fit's cache_dir must be a path (str or os.PathLike), got {cache_dir!r}")
+    device = measured_device(device, "remat_fx: remat.fit")
     named = _parameters(args, kwargs, params)
     target = int(limit * (1 - margin))
     t0 = time.perf_counter()

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import difflib
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
@@ -82,7 +83,7 @@ class BackendOptions:
     # time (remat_fx/step.py's shared budget 0, the low end of whole-step limits), not one held in per-layer
     # checkpointing's time under budget 0.05's peak
     cost_model: str = "auto"
-    roofline: Optional[Roofline] = None
+    roofline: "Optional[Roofline | tuple]" = None  # parse_roofline: sorted (key, value) pairs, or a Roofline
     solver: str = "ilp"
     solver_time_limit: float = 10.0
     blocks_alike: Union[str, float, None] = "final"  # "final", None (never) or the recompute (fraction of the forward's
@@ -161,8 +162,10 @@ def _monotone(value, what):
     """'nearest' -> 1, an int >= 1 as it is, 'auto', 'grid'."""
     if value == "nearest":
         return 1
-    if value in ("auto", "grid") or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+    if isinstance(value, str) and value in ("auto", "grid"):
         return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1:  # numpy ints too
+        return int(value)
     raise OptionError(f"{what} must be an int >= 1 (the levels of the grid held in turn), 'auto' (the default: 2, "
                       f"more past a bump), 'nearest' (1) or 'grid', got {value!r}{did_you_mean(value, MONOTONE)}")
 
@@ -192,7 +195,7 @@ def _rerun(value, what):
 
 
 def _peak_slack(value, what):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
         raise OptionError(f"{what} must be a fraction of step time in [0, 1), e.g. 0.01 (1%), got {value!r}")
     return float(value)
 
@@ -224,7 +227,7 @@ def _blocks_alike(value, what):
         return None
     if value == "final":
         return value
-    if not isinstance(value, (int, float)) or not 0 <= value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
         raise OptionError(f"{what} must be True, False, 'final' or the recompute it may add as a fraction of the "
                           f"forward's estimated time in [0, 1), e.g. 0.01, got {value!r}")
     return float(value)
@@ -238,7 +241,7 @@ def _roofline(value, what):
 
 
 def _time_limit(value, what):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
         raise OptionError(f"{what} must be a positive number of seconds, got {value!r}")
     return float(value)
 

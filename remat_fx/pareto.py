@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import numbers
 import pathlib
 import sys
 import time
@@ -61,13 +62,22 @@ def pareto(model_or_fn, example_inputs: Sequence, budgets: Sequence = DEFAULT_BU
     if not isinstance(example_inputs, (tuple, list)):  # a tensor would be split into its rows
         raise TypeError(f"remat_fx.pareto: example_inputs must be a tuple or list of the model's arguments, got "
                         f"{type(example_inputs).__name__}; write (x,) for one argument")
+    if isinstance(budgets, (str, numbers.Real)):  # one budget: a sweep of one (a string is not its letters)
+        budgets = [budgets]
     budgets = list(budgets)
     if not budgets or any(b is None for b in budgets):
         raise ValueError(f"remat_fx.pareto: budgets must be a non-empty list of fractions or sizes, got {budgets!r}")
     for b in budgets:
         parse_budget(b)  # every budget checked before the compile
     options = dict(options or {})
-    options.pop("memory_budget", None)
+    for name, why in (("memory_budget", "the sweep sets it to each of budgets"),
+                      ("peak_budget", "the sweep plans each memory budget, not a peak")):
+        if options.get(name) is not None:
+            raise ValueError(f"remat_fx.pareto: options[{name!r}]={options[name]!r} is not used: {why}; give the "
+                             f"budgets to sweep as budgets=[...] and leave {name} out of options")
+    if out is not None and pathlib.Path(out).exists() and not pathlib.Path(out).is_dir():
+        raise FileExistsError(f"remat_fx.pareto: out={str(out)!r} is a file; out names a folder to write "
+                              f"pareto.md, pareto.csv and pareto.png in")
     graphs = _capture(model_or_fn, tuple(example_inputs), options)
     sizes = [b for b in budgets if parse_budget(b).nbytes is not None]
     if sizes and len(graphs) > 1:

@@ -4,6 +4,8 @@ the ``roofline`` option's parsing."""
 from __future__ import annotations
 
 import difflib
+import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -24,9 +26,11 @@ CPU = Roofline(flops_per_s=5e10, bytes_per_s=1e10, op_overhead_s=5e-6)
 CUDA = Roofline(flops_per_s=4e14, bytes_per_s=2.5e12, op_overhead_s=5e-6)
 
 
-def parse_roofline(value) -> Optional[Roofline]:
+def parse_roofline(value) -> "Optional[Roofline | tuple]":
     if value is None or isinstance(value, Roofline):
         return value
+    if isinstance(value, tuple) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in value):
+        value = dict(value)  # parsed already (options parsed again)
     names = [f.name for f in fields(Roofline)]
     if not isinstance(value, dict) or set(value) - set(names):
         unknown = [k for k in value if k not in names] if isinstance(value, dict) else []
@@ -36,9 +40,13 @@ def parse_roofline(value) -> Optional[Roofline]:
         raise ValueError(f"backend 'remat': option 'roofline' must be a dict with keys from {names}, "
                          f"got {value!r}{hint}")
     for k, v in value.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (k != "op_overhead_s" and v == 0):
-            raise ValueError(f"backend 'remat': option 'roofline': {k} must be a positive number, got {v!r}")
-    return value  # completed with the device's defaults once the device is known
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0 or \
+                (k != "op_overhead_s" and v == 0):
+            least = "a finite number >= 0" if k == "op_overhead_s" else "a finite positive number"
+            raise ValueError(f"backend 'remat': option 'roofline': {k} must be {least}, got {v!r}")
+    # completed with the device's defaults once the device is known; a sorted tuple of (key, float), so
+    # that the options hash (the step's record keys by them) and compare alike in any key order
+    return tuple(sorted((k, float(v)) for k, v in value.items()))
 
 
 def device_roofline(device: torch.device, override=None) -> Roofline:
@@ -47,4 +55,4 @@ def device_roofline(device: torch.device, override=None) -> Roofline:
         return base
     if isinstance(override, Roofline):
         return override
-    return Roofline(**{**base.__dict__, **{k: float(v) for k, v in override.items()}})
+    return Roofline(**{**base.__dict__, **{k: float(v) for k, v in dict(override).items()}})

@@ -183,3 +183,39 @@ def test_numpy_numbers_are_read_as_the_python_numbers_they_hold():
     assert parse_options({"peak_budget": np.int64(2**20)}).peak_budget == 2**20
     with pytest.raises(remat.OptionError, match=r"got 1.5 \(a float must be a fraction"):
         parse_options({"memory_budget": np.float64(1.5)})
+    # the other numeric options too (they said "must be a positive number of seconds, got np.int64(5)")
+    parsed = parse_options({"solver_time_limit": np.int64(5), "peak_slack": np.float32(0.25), "monotone": np.int64(3),
+                            "blocks_alike": np.float64(0.05), "roofline": {"flops_per_s": np.float32(1e12)}})
+    assert (parsed.solver_time_limit, parsed.peak_slack, parsed.monotone, parsed.blocks_alike) == (5.0, 0.25, 3, 0.05)
+    assert type(parsed.monotone) is int and parsed.roofline == (("flops_per_s", float(np.float32(1e12))),)
+    with pytest.raises(remat.OptionError, match=r"option 'peak_slack' must be a fraction of step time"):
+        parse_options({"peak_slack": np.float64(1.5)})
+
+
+def test_a_roofline_is_read_in_any_key_order_and_hashes_with_the_options():
+    """The roofline option's dict made the options unhashable: remat.fit's record of what it said
+    (keyed by the options) crashed the compile after a fit ("unhashable type: 'dict'"), and two key
+    orders were two plan-cache keys. It is kept as sorted (key, value) pairs."""
+    from remat_fx.options import parse_options
+    from remat_fx.roofline import CPU, device_roofline
+
+    a = parse_options({"roofline": {"flops_per_s": 1e11, "bytes_per_s": 2e10}})
+    b = parse_options({"roofline": {"bytes_per_s": 2e10, "flops_per_s": 1e11}})
+    assert hash(a.key()) == hash(b.key()) and repr(a.key()) == repr(b.key())
+    assert device_roofline(torch.device("cpu"), a.roofline) == type(CPU)(1e11, 2e10, CPU.op_overhead_s)
+    assert parse_options({"roofline": a.roofline}).roofline == a.roofline  # parsed again: the same
+
+
+@pytest.mark.parametrize("roofline, message", [
+    ({"flops_per_s": float("nan")}, r"flops_per_s must be a finite positive number, got nan"),
+    ({"bytes_per_s": float("inf")}, r"bytes_per_s must be a finite positive number, got inf"),
+    ({"op_overhead_s": float("inf")}, r"op_overhead_s must be a finite number >= 0, got inf"),
+    ({"op_overhead_s": -1e-6}, r"op_overhead_s must be a finite number >= 0, got -1e-06"),
+])
+def test_a_roofline_that_is_not_finite_is_refused_when_written(roofline, message):
+    """A NaN or infinite roofline passed the option's check and failed inside scipy's milp at the
+    first compile ("'c' must be a one-dimensional array of finite numbers")."""
+    from remat_fx.options import parse_options
+
+    with pytest.raises(remat.OptionError, match=r"option 'roofline': " + message):
+        parse_options({"roofline": roofline, "memory_budget": 0.5})

@@ -985,6 +985,26 @@ def test_fit_checks_its_params_when_given():
     assert ran == []
 
 
+def test_fit_checks_its_step_device_and_cache_dir_when_given():
+    """What fit is given is checked before the step runs: a step that is not a function (the result
+    of calling it), a device it cannot measure on (a torch RuntimeError, or CUDA's AssertionError on
+    a CPU build, after every graph had compiled), a cache_dir that is not a path."""
+    ran = []
+    with pytest.raises(TypeError, match=r"^remat_fx: remat.fit's step must be a function that runs one training step "
+                                        r"\(forward and backward\), got Tensor: pass the function, not what it"):
+        remat.fit(torch.zeros(1), peak="1MiB")
+    with pytest.raises(ValueError, match=r"^remat_fx: remat.fit's device must be 'cpu' or a CUDA device .* got 'tpu'$"):
+        remat.fit(lambda: ran.append(1), peak="1MiB", device="tpu")
+    with pytest.raises(ValueError, match=r"got 'meta'$"):
+        remat.fit(lambda: ran.append(1), peak="1MiB", device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"remat.fit's device is 'cuda', and no CUDA device is available"):
+            remat.fit(lambda: ran.append(1), peak="1MiB", device="cuda")
+    with pytest.raises(TypeError, match=r"remat.fit's cache_dir must be a path \(str or os.PathLike\), got 5$"):
+        remat.fit(lambda: ran.append(1), peak="1MiB", cache_dir=5)
+    assert ran == []
+
+
 def test_fit_keeps_a_byte_memory_budget_for_the_whole_step():
     """With a byte memory_budget, remat.fit tries only the shared budgets whose whole-step saved
     bytes fit it (and the one that saves least, if none does): a loose peak keeps that limit."""
