@@ -53,9 +53,24 @@ _WARNED: set = set()
 
 class _EagerBlock(contextlib.AbstractContextManager):
     def __init__(self, name, policy):
-        self.name, self.policy, self.scope = name, policy, None
+        self.name, self.policy, self.scope, self._entered = name, policy, None, False
+
+    def __call__(self, *args, **kwargs):  # remat.annotate("blk")(fn): a decorator it is not
+        self._entered = True  # said here: no second word from __del__
+        raise TypeError(f"remat.annotate('{self.name}') is a context manager, not a decorator: write `with "
+                        f"remat.annotate('{self.name}', ...):` around the ops it names")
+
+    def __del__(self):
+        if not getattr(self, "_entered", True):
+            try:
+                warnings.warn(f"remat.annotate('{self.name}') was never entered, so it named nothing and set no policy: "
+                              f"it is a context manager, write `with remat.annotate('{self.name}', ...):` around the "
+                              f"ops it names", RuntimeWarning, stacklevel=2)
+            except Exception:  # noqa: BLE001 -- at interpreter exit warnings may be gone
+                pass
 
     def __enter__(self):
+        self._entered = True
         tape = active_tape()
         if tape is not None:
             handle = RematHandle(None, self.name, self.policy, kind="native", tape=tape)

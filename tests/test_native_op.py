@@ -335,3 +335,29 @@ def test_a_second_backward_through_a_retained_graph_replays_in_place_answers_aga
 def test_outside_region_is_plain_call():
     x = torch.randn(3, 3)
     assert torch.equal(remat.native_op(torch.mm, "mm", policy=P.SAVE)(x, x), x @ x)
+
+
+def test_annotate_not_entered_or_used_as_a_decorator_is_said():
+    """remat.annotate is a context manager: a bare call named nothing without a word (the block's ops
+    ran unnamed, their policy unset), and a decorator failed with "'_EagerBlock' object is not
+    callable". Each now says what to write."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        remat.annotate("blk", P.SAVE)
+        gc.collect()
+        with remat.annotate("used", P.SAVE):
+            torch.ones(2).sin()
+        gc.collect()
+    said = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert said == ["remat.annotate('blk') was never entered, so it named nothing and set no policy: it is a "
+                    "context manager, write `with remat.annotate('blk', ...):` around the ops it names"], said
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(TypeError, match=r"^remat.annotate\('blk'\) is a context manager, not a decorator: write "
+                                            r"`with remat.annotate\('blk', \.\.\.\):` around the ops it names$"):
+            remat.annotate("blk")(torch.sin)(torch.ones(2))
+        gc.collect()
+    assert not [w for w in caught if w.category is RuntimeWarning]  # said once, by the error
