@@ -279,7 +279,9 @@ _PLANS: List[Plan] = []
 
 
 def last_plan() -> Optional[Plan]:
-    """The plan of the graph the ``remat`` backend compiled last (None before any)."""
+    """The plan of the graph the ``remat`` backend compiled last for training (None before any). A
+    graph without a backward (compiled under ``torch.no_grad``, or with nothing that needs a
+    gradient) saves nothing and has no plan: it leaves the last plan as it was."""
     return _PLANS[-1] if _PLANS else None
 
 
