@@ -114,6 +114,13 @@ def test_curried_form_is_required():
         remat.checkpoint(block)
 
 
+def test_an_empty_region_name_is_refused():
+    """remat.annotate and remat.native_op refuse an empty name; remat.checkpoint("") took one."""
+    with pytest.raises(ValueError, match=r"^remat.checkpoint: the region name must be a non-empty string, got '' "
+                                         r"\(leave it out for the function's name\)$"):
+        remat.checkpoint("")
+
+
 def test_unknown_option_lists_valid_ones():
     with pytest.raises(TypeError, match=r"(?s)unknown option\(s\) \['use_reentrant'\].*preserve_rng_state"):
         remat.checkpoint(use_reentrant=True)

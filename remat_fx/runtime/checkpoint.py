@@ -65,6 +65,9 @@ def checkpoint(name=None, /, **options):
         )
     if name is not None and not isinstance(name, str):
         raise TypeError(f"remat.checkpoint: name must be a string, got {type(name).__name__}")
+    if name == "":  # remat.annotate and native_op refuse one too
+        raise ValueError("remat.checkpoint: the region name must be a non-empty string, got '' (leave it out for "
+                         "the function's name)")
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         valid = "\n".join(f"  {k}: {v}" for k, v in _OPTIONS.items())
