@@ -7,8 +7,9 @@
 CPU: gloo, one process per rank. CUDA (when available): nccl, one GPU per rank, unchanged.
 Each block is ``fully_shard``-ed and compiled with ``backend="remat"`` (torchtitan's layout:
 FSDP2 per block, compile per block); the root is ``fully_shard``-ed too (embeddings, final
-LayerNorm, tied head). Rank 0 prints every rank's step plan (``remat.step_report()``: saved
-bytes, the estimated peak) and, on CUDA, its measured peak. See docs/distributed.md.
+LayerNorm, tied head). Rank 0 prints each step's loss and time (on CUDA its measured peak), then
+every rank's step plan (``remat.step_report()``: saved bytes, the estimated peak). See
+docs/distributed.md.
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ extremes, or a size). The eager tape has no solver: there it warns once and only
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 
 import torch
@@ -61,13 +62,10 @@ class _EagerBlock(contextlib.AbstractContextManager):
                         f"remat.annotate('{self.name}', ...):` around the ops it names")
 
     def __del__(self):
-        if not getattr(self, "_entered", True):
-            try:
-                warnings.warn(f"remat.annotate('{self.name}') was never entered, so it named nothing and set no policy: "
-                              f"it is a context manager, write `with remat.annotate('{self.name}', ...):` around the "
-                              f"ops it names", RuntimeWarning, stacklevel=2)
-            except Exception:  # noqa: BLE001 -- at interpreter exit warnings may be gone
-                pass
+        if not getattr(self, "_entered", True) and not sys.is_finalizing():  # at exit warnings may be gone
+            warnings.warn(f"remat.annotate('{self.name}') was never entered, so it named nothing and set no policy: "
+                          f"it is a context manager, write `with remat.annotate('{self.name}', ...):` around the "
+                          f"ops it names", RuntimeWarning, stacklevel=2)
 
     def __enter__(self):
         self._entered = True

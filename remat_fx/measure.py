@@ -36,6 +36,9 @@ def measured_device(device=None, who: str = "remat_fx: the measured step peak") 
     if found.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{who}'s device is {device!r}, and no CUDA device is available; give device='cpu' or "
                          f"leave it out")
+    if found.type == "cuda" and found.index is not None and found.index >= torch.cuda.device_count():
+        raise ValueError(f"{who}'s device is {device!r}, and this process sees {torch.cuda.device_count()} CUDA "
+                         f"device(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     return found
 
 

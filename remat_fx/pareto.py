@@ -23,7 +23,7 @@ from typing import List, Sequence
 
 import torch
 
-from remat_fx.memory_budget import fmt_bytes, parse_budget
+from remat_fx.memory_budget import Budget, fmt_bytes, parse_budget
 from remat_fx.options import parse_options
 from remat_fx.passes import partition as _partition
 from remat_fx.passes.lower import partition_only
@@ -62,8 +62,8 @@ def pareto(model_or_fn, example_inputs: Sequence, budgets: Sequence = DEFAULT_BU
     if not isinstance(example_inputs, (tuple, list)):  # a tensor would be split into its rows
         raise TypeError(f"remat_fx.pareto: example_inputs must be a tuple or list of the model's arguments, got "
                         f"{type(example_inputs).__name__}; write (x,) for one argument")
-    if isinstance(budgets, (str, numbers.Real)):  # one budget: a sweep of one (a string is not its letters)
-        budgets = [budgets]
+    if isinstance(budgets, (str, numbers.Real, Budget)) or getattr(budgets, "ndim", None) == 0:
+        budgets = [budgets]  # one budget: a sweep of one (a string is not its letters, nor a 0-d array its items)
     budgets = list(budgets)
     if not budgets or any(b is None for b in budgets):
         raise ValueError(f"remat_fx.pareto: budgets must be a non-empty list of fractions or sizes, got {budgets!r}")
@@ -75,9 +75,13 @@ def pareto(model_or_fn, example_inputs: Sequence, budgets: Sequence = DEFAULT_BU
         if options.get(name) is not None:
             raise ValueError(f"remat_fx.pareto: options[{name!r}]={options[name]!r} is not used: {why}; give the "
                              f"budgets to sweep as budgets=[...] and leave {name} out of options")
-    if out is not None and pathlib.Path(out).exists() and not pathlib.Path(out).is_dir():
-        raise FileExistsError(f"remat_fx.pareto: out={str(out)!r} is a file; out names a folder to write "
-                              f"pareto.md, pareto.csv and pareto.png in")
+    if out is not None:  # its nearest existing folder or file, before the sweep
+        there = pathlib.Path(out).expanduser().absolute()
+        while not there.exists():
+            there = there.parent
+        if not there.is_dir():
+            raise FileExistsError(f"remat_fx.pareto: out={str(out)!r} is or is inside the file {str(there)!r}; out "
+                                  f"names a folder to write pareto.md, pareto.csv and pareto.png in")
     graphs = _capture(model_or_fn, tuple(example_inputs), options)
     sizes = [b for b in budgets if parse_budget(b).nbytes is not None]
     if sizes and len(graphs) > 1:

@@ -29,7 +29,8 @@ CUDA = Roofline(flops_per_s=4e14, bytes_per_s=2.5e12, op_overhead_s=5e-6)
 def parse_roofline(value) -> "Optional[Roofline | tuple]":
     if value is None or isinstance(value, Roofline):
         return value
-    if isinstance(value, tuple) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in value):
+    if isinstance(value, tuple) and all(isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str)
+                                        for kv in value):
         value = dict(value)  # parsed already (options parsed again)
     names = [f.name for f in fields(Roofline)]
     if not isinstance(value, dict) or set(value) - set(names):
@@ -40,10 +41,13 @@ def parse_roofline(value) -> "Optional[Roofline | tuple]":
         raise ValueError(f"backend 'remat': option 'roofline' must be a dict with keys from {names}, "
                          f"got {value!r}{hint}")
     for k, v in value.items():
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v < 0 or \
-                (k != "op_overhead_s" and v == 0):
-            least = "a finite number >= 0" if k == "op_overhead_s" else "a finite positive number"
-            raise ValueError(f"backend 'remat': option 'roofline': {k} must be {least}, got {v!r}")
+        least = 0.0 if k == "op_overhead_s" else 1.0  # under 1 FLOP or byte a second: costs overflow to inf
+        try:
+            ok = not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(float(v)) and v >= least
+        except OverflowError:  # an int too large for a float
+            ok = False
+        if not ok:
+            raise ValueError(f"backend 'remat': option 'roofline': {k} must be a finite number >= {least:g}, got {v!r}")
     # completed with the device's defaults once the device is known; a sorted tuple of (key, float), so
     # that the options hash (the step's record keys by them) and compare alike in any key order
     return tuple(sorted((k, float(v)) for k, v in value.items()))

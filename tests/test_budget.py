@@ -690,14 +690,16 @@ def test_pareto_takes_one_budget_and_refuses_options_it_would_not_use(tmp_path):
     object is not iterable"; a memory_budget or peak_budget in options was dropped or ignored without
     a word; out= naming a file failed only after every budget was solved."""
     model, inputs = _mlp()
-    (point,) = remat.pareto(model, inputs, 0.5, options={"lower": "eager"}, progress=False)
-    assert point.budget == str(parse_budget(0.5))
+    for one in (0.5, Budget(fraction=0.5)):
+        (point,) = remat.pareto(model, inputs, one, options={"lower": "eager"}, progress=False)
+        assert point.budget == str(parse_budget(0.5))
     for name, value in (("memory_budget", 0.1), ("peak_budget", "1MiB")):
         with pytest.raises(ValueError, match=rf"^remat_fx.pareto: options\['{name}'\]={value!r} is not used: "):
             remat.pareto(model, inputs, [0.5], options={"lower": "eager", name: value}, progress=False)
     (tmp_path / "taken").write_text("")
-    with pytest.raises(FileExistsError, match=r"out='.*taken' is a file; out names a folder"):
-        remat.pareto(model, inputs, [0.5], options={"lower": "eager"}, out=tmp_path / "taken", progress=False)
+    for out in (tmp_path / "taken", tmp_path / "taken" / "sub"):
+        with pytest.raises(FileExistsError, match=r"out='.*taken.*' is or is inside the file '.*taken'; out names a"):
+            remat.pareto(model, inputs, [0.5], options={"lower": "eager"}, out=out, progress=False)
 
 
 @pytest.mark.slow

@@ -361,3 +361,15 @@ def test_annotate_not_entered_or_used_as_a_decorator_is_said():
             remat.annotate("blk")(torch.sin)(torch.ones(2))
         gc.collect()
     assert not [w for w in caught if w.category is RuntimeWarning]  # said once, by the error
+    # warnings made errors (-W error, filterwarnings=error): not swallowed, Python reports it from __del__
+    import sys
+    unraisable = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            remat.annotate("blk")
+            gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert [type(u.exc_value) for u in unraisable] == [RuntimeWarning], unraisable

@@ -207,14 +207,17 @@ def test_a_roofline_is_read_in_any_key_order_and_hashes_with_the_options():
 
 
 @pytest.mark.parametrize("roofline, message", [
-    ({"flops_per_s": float("nan")}, r"flops_per_s must be a finite positive number, got nan"),
-    ({"bytes_per_s": float("inf")}, r"bytes_per_s must be a finite positive number, got inf"),
+    ({"flops_per_s": float("nan")}, r"flops_per_s must be a finite number >= 1, got nan"),
+    ({"bytes_per_s": float("inf")}, r"bytes_per_s must be a finite number >= 1, got inf"),
+    ({"flops_per_s": 10**400}, r"flops_per_s must be a finite number >= 1, got 1000"),
+    ({"flops_per_s": 5e-324, "bytes_per_s": 5e-324}, r"flops_per_s must be a finite number >= 1, got 5e-324"),
     ({"op_overhead_s": float("inf")}, r"op_overhead_s must be a finite number >= 0, got inf"),
     ({"op_overhead_s": -1e-6}, r"op_overhead_s must be a finite number >= 0, got -1e-06"),
 ])
 def test_a_roofline_that_is_not_finite_is_refused_when_written(roofline, message):
-    """A NaN or infinite roofline passed the option's check and failed inside scipy's milp at the
-    first compile ("'c' must be a one-dimensional array of finite numbers")."""
+    """A NaN or infinite roofline, or one so slow that the costs overflow, passed the option's check
+    and failed inside scipy's milp at the first compile ("'c' must be a one-dimensional array of
+    finite numbers")."""
     from remat_fx.options import parse_options
 
     with pytest.raises(remat.OptionError, match=r"option 'roofline': " + message):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -1002,6 +1003,11 @@ def test_fit_checks_its_step_device_and_cache_dir_when_given():
             remat.fit(lambda: ran.append(1), peak="1MiB", device="cuda")
     with pytest.raises(TypeError, match=r"remat.fit's cache_dir must be a path \(str or os.PathLike\), got 5$"):
         remat.fit(lambda: ran.append(1), peak="1MiB", cache_dir=5)
+    with mock.patch.object(torch.cuda, "is_available", lambda: True), \
+            mock.patch.object(torch.cuda, "device_count", lambda: 1):  # one GPU: cuda:5 is none of its devices
+        with pytest.raises(ValueError, match=r"device is 'cuda:5', and this process sees 1 CUDA device\(s\) "
+                                             r"\(cuda:0 to cuda:0\)$"):
+            remat.fit(lambda: ran.append(1), peak="1MiB", device="cuda:5")
     assert ran == []
 
 
