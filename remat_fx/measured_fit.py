@@ -27,8 +27,8 @@ import hashlib
 import json
 import logging
 import math
-import os
 import numbers
+import os
 import pathlib
 import time
 import warnings
