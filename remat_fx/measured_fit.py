@@ -190,6 +190,8 @@ def _limit(peak) -> int:
                              "CUDA device is available; give a size instead, e.g. peak='2GiB'") from None
     if isinstance(peak, numbers.Integral) and not isinstance(peak, bool):
         peak = int(peak)  # numpy's ints too, as peak_budget takes them
+    elif isinstance(peak, numbers.Real) and not isinstance(peak, bool):
+        peak = float(peak)  # numpy's floats: the float's message below, not "got float32"
     if isinstance(peak, bool) or not isinstance(peak, (int, float, str)):
         raise ValueError(f"{_PEAK_HINT}, got {type(peak).__name__} {peak!r}")
     if isinstance(peak, int) and peak in (0, 1):  # fractions to parse_budget (a memory_budget's 0 and 1)

@@ -935,6 +935,7 @@ def test_peak_budget_and_fit_limits_are_checked_when_given():
         remat.fit(lambda: None, peak=0.5)
     # what the message offers is what fit takes (it offered a memory_budget's fractions and '50%')
     for peak, said in ((1.5, r"got the float 1.5: fit measures the step's peak in bytes .* e.g. '1.5GiB'"),
+                       (np.float32(1.5), r"got the float 1.5: fit measures"),  # numpy's: the same (was "got float32")
                        ("50%", r"got '50%': fit measures the step's peak in bytes"),
                        ("5 parsecs", r"got '5 parsecs' \(units: "), ([1], r"got list \[1\]"),
                        (1, r"got 1: no step peaks at 1 byte\(s\) or under")):
