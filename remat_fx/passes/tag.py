@@ -213,8 +213,9 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
 
 def _keep_region_boundaries(joint: JointGraph, tags: Dict[fx.Node, Tag]) -> None:
     """What PyTorch's min-cut partitioner does to the tags before it cuts (``cleanup_recompute_tags``,
-    read on torch 2.13 and 2.14.1, the same): a node tagged to recompute whose user, also tagged to recompute, is in a later
-    checkpoint region (a larger ``ac_graph_id``) is made MUST_SAVE, the boundary between two regions.
+    read on torch 2.13 and 2.14.1, the same): a node tagged to recompute whose user, also tagged to
+    recompute, is in a later checkpoint region (a larger ``ac_graph_id``) is made MUST_SAVE, the
+    boundary between two regions.
     Unglobbed, such a node is a region's output and MUST_SAVE already (tag_node); a recompute glob
     (``recompute=['*']``) left it to the partitioner, so the budget's 0-1 program counted it recomputed
     and the partition saved it: over the target the solver met (fuzz seed 8997: 1,536 bytes saved
