@@ -36,6 +36,10 @@ def _entry(worker, rank: int, port: int, out_dir: str, pg_timeout: float, args) 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
+        # every rank's gloo mesh connected before any goes on: a worker that returns at once (rank 1
+        # of test_a_rank_that_compiles_alone...) exited while rank 0 was still connecting, which failed
+        # with "Gloo connectFullMesh failed ... Connection closed by peer" (torch 2.14.1, a busy machine)
+        dist.barrier()
         try:
             result["value"] = worker(rank, *args)
         finally:
