@@ -777,6 +777,7 @@ class _Step:
         self.leaves: Optional[Dict[int, weakref.ref]] = None  # while remat.fit collects them: the inputs needing grad
         self.planned: Dict[tuple, object] = {}  # step signature -> shared fraction chosen (None: kept)
         self.step_plan: Optional[StepPlan] = None  # the last whole-step plan (plan_step)
+        self.step_hold: Optional[StepHold] = None  # the last fraction memory_budget's step held (hold_step)
         self.number = 0  # steps begun since the last reset (enter)
         self.truncated = False  # a step of more calls than the record keeps was warned of
         # the last step's backwards: each call's position, the lowest begun, those begun (backward_of)
@@ -1285,7 +1286,18 @@ def _after_step(calls: List[CompiledGraph]) -> None:
     budget = opts.memory_budget
     saved_limit = budget.nbytes if budget is not None else None
     if opts.step_peak is None and saved_limit is None:
-        return  # no whole-step limit: nothing to plan as a whole
+        # no whole-step limit: a fraction memory_budget's plans are held under the larger budgets' on
+        # the step's estimate where a graph runs more than once a step (each graph's envelope compares
+        # its own peak alone, not what the step holds of it once per call); under monotone="grid",
+        # wherever the step has several calls
+        if budget is not None and budget.fraction is not None and opts.peak_slack > 0 and \
+                (len(set(calls)) < len(calls) or opts.monotone == "grid"):
+            try:
+                hold_step(calls)
+            except BaseException:
+                STEP.planned.pop(sig, None)  # interrupted (Ctrl-C, an error lowering again): held at the next step
+                raise
+        return
     from remat_fx.ranks import plan_on_every_rank
 
     # every rank of a process group, planning or not: one that finds no plan fails them all
@@ -1444,6 +1456,162 @@ def plan_step(calls: List[CompiledGraph], limit: Optional[int] = None, fraction:
     return result
 
 
+# shared memory budgets (fractions) a fraction memory_budget's step is held under, nearest above it first
+LEVELS: Tuple[float, ...] = tuple(sorted({1.0 if f is None else f for f in GRID}))
+
+
+@dataclass
+class StepHold:
+    """How a fraction memory_budget's step was held under the larger budgets' (:func:`hold_step`)."""
+
+    budget: float  # the user's memory_budget
+    estimate: int  # the step's estimated peak with each graph's own plan at the budget
+    bound: int  # the least estimated step peak of the larger budgets checked
+    levels: Dict[float, int]  # larger budget -> the step's estimated peak with every graph at it
+    taken: Dict[int, float]  # graph index -> the budget whose plan it took (within its own saved bytes)
+    held: int  # the step's estimated peak after (estimate where nothing was taken)
+    seconds: float = 0.0
+    calls: Tuple[int, ...] = ()  # the step's calls (graph indices): the step it was held for
+
+    def __str__(self) -> str:
+        levels = ", ".join(f"{f:g}: {fmt_bytes(p)}" for f, p in sorted(self.levels.items(), reverse=True))
+        text = (f"memory_budget {self.budget:g} held on the step's estimate: its graphs' own plans "
+                f"{fmt_bytes(self.estimate)}, the larger budgets' ({levels})")
+        if not self.taken:
+            return text + "; kept"
+        taken = ", ".join(f"graph {i}: budget {f:g}'s plan" for i, f in sorted(self.taken.items()))
+        return (text + f"; took {taken} (each within its own saved bytes at {self.budget:g}): "
+                f"{fmt_bytes(self.held)}{'' if self.held <= self.bound else ', as near as it could get'}")
+
+
+def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
+    """A fraction memory_budget's step of several calls (a graph called once per block, the loss
+    compiled apart), once it has run: its estimated peak must not rise over the larger budgets'.
+    Each graph's own envelope (passes/peak.py monotone_peak) compares the graph's own peak, but a
+    plan with a lower peak of its own that saves more is held by the step under every later call,
+    once per call of its graph (a block graph called 6 times: the measured step peak 6.09 MB at
+    0.9, 6.41 at 0.8; 2.99 at 0.5, 3.96 at 0.4).
+
+    The same envelope on the step's estimate, over the shared budgets of ``LEVELS``: the budget's
+    step (each graph's own plan) is held under the step with every graph at the nearest larger
+    budget, itself held so in turn, as many levels up as option monotone says ('auto': 2, on up
+    while a level peaks over the next or the top, and the top checked; 'grid': all). Where it
+    estimates over that bound, each graph takes the plan of a larger budget checked that saves
+    within its own saved-bytes target (the budget holds), or of a budget under its own (walked down
+    to the first that meets the bound; at 0, the least peak: the user's 0 is held in per-layer
+    checkpointing's time, then as long as it takes to hold its peak under the larger budgets'): the
+    fastest step that meets the bound, else the lowest; the graphs whose plan changes are lowered
+    again. One partition of each graph per budget checked, once per step (its signature); None where
+    no graph has a budget to hold."""
+    from remat_fx.options import monotone_extends, monotone_levels
+    from remat_fx.passes import plan as _plan
+
+    t0 = time.perf_counter()
+    opts = calls[0].options
+    f = opts.memory_budget.fraction
+    graphs = [g for g in dict.fromkeys(calls)
+              if g.plan is not None and g.plan.budget is not None and g.plan.budget.solver != "none" and not g._kept()]
+    if not graphs:
+        return None
+    ios = STEP.io_of(calls)
+    sharding = _sharding(calls)
+    own = {g: g.plan for g in calls}
+    extend = monotone_extends(opts.monotone)
+    plans: Dict[float, Dict[CompiledGraph, Plan]] = {}
+    origin: Dict[int, float] = {}  # id of a plan -> the shared budget it was made at
+    raw: Dict[float, int] = {}  # shared budget -> the step's estimate with every graph at it
+    held: Dict[Tuple[float, Optional[int]], Tuple[int, Dict[CompiledGraph, Plan]]] = {}
+
+    def step_of(chosen: Dict[CompiledGraph, Plan]) -> int:
+        plan_of = lambda g: chosen.get(g, own[g])  # noqa: E731
+        costs = [call_cost(plan_of(g), g.grads) for g in calls]
+        return step_peak(grads_once(costs, calls, ios), *_released(calls, plan_of), sharding).peak
+
+    def plans_at(level: float) -> Dict[CompiledGraph, Plan]:
+        if level not in plans:
+            plans[level] = {g: g.estimate(shared_options(g.options, level)) for g in graphs}
+            origin.update((id(p), level) for p in plans[level].values())
+        return plans[level]
+
+    def raw_at(level: float) -> int:
+        if level not in raw:
+            raw[level] = step_of(plans_at(level))
+        return raw[level]
+
+    def envelope(level: float, start: Dict[CompiledGraph, Plan], depth: Optional[int]):
+        """(the step's estimate, the plans) at ``level`` (``start``: its own plans), held ``depth``
+        levels up (None: all)."""
+        estimate = step_of(start)
+        above = [x for x in LEVELS if x > level]
+        if depth == 0 or not above:
+            return estimate, start, None
+        near, deeper = above[0], None if depth is None else depth - 1
+        if extend and deeper == 0 and len(above) > 1 and raw_at(near) > min(raw_at(above[1]), raw_at(above[-1])):
+            deeper = 1  # a bump: its own envelope holds it lower
+        if (near, deeper) not in held:
+            held[near, deeper] = envelope(near, plans_at(near), deeper)[:2]
+        bound = held[near, deeper][0]
+        if extend:
+            bound = min(bound, raw_at(above[-1]))  # the top: saving the most can peak lowest
+        if estimate <= bound:
+            return estimate, start, bound
+        targets = {g: start[g].budget.target for g in graphs}
+        tried = [{**start, **{g: p for g, p in plans[x].items() if p.total_bytes <= targets[g]}}
+                 for x in above if x in plans]
+        # under the budget every plan fits it; at 0, the least peak
+        for x in [x for x in reversed(LEVELS) if x < level] or ([0.0] if level == 0.0 else []):
+            tried.append({**start, **plans_at(x)})
+            if step_of(tried[-1]) <= bound:
+                break
+        scored = [(step_of(c), sum(c.get(g, own[g]).step_cost_s for g in calls), c) for c in tried]
+        meet = [x for x in scored if x[0] <= bound]
+        best = min(meet, key=lambda x: x[:2]) if meet else min(scored, key=lambda x: x[:2], default=None)
+        if best is None or best[0] >= estimate:
+            return estimate, start, bound
+        return best[0], best[2], bound
+
+    kept = list(_plan._PLANS)
+    try:
+        if 0.0 < f and f in LEVELS:  # its plans at the shared budget are its own
+            plans[f] = {g: own[g] for g in graphs}
+        estimate = step_of(own)
+        depth = monotone_levels(opts.monotone)
+        if f == 0.0 and depth is not None:
+            depth += 1  # budget 0's bound: budget 0.05's step as it holds it (passes/peak.py monotone_peak)
+        result, chosen, bound = envelope(f, dict(own), depth)
+    finally:
+        _plan._PLANS[:] = kept  # the estimates are not the compiled graphs' plans (remat.last_plan)
+    levels = {x: p for x, p in raw.items() if x > f}
+    changed = {g: origin[id(p)] for g, p in chosen.items() if g in own and not _same(p, own[g])}
+    for g, level in changed.items():
+        report = g.plan.budget
+        g.relower(shared_options(g.options, level))
+        picked = g.plan.budget
+        if picked is not None:  # re-reported as the user's budget, held on the step's estimate
+            picked.lowered_to = picked.target if picked.lowered_to is None else picked.lowered_to
+            picked.budget, picked.target = report.budget, report.target
+            picked.fastest_peak = report.fastest_peak or own[g].peak.step
+            picked.fastest_step_s = report.fastest_step_s or own[g].step_cost_s
+            picked.step_held = (f"budget {level:g}'s plan, which saves within this budget, holds the step's "
+                                f"estimated peak at {fmt_bytes(result)} (its own plan: {fmt_bytes(estimate)}; the "
+                                f"larger budgets': {fmt_bytes(bound)})")
+    return _held(StepHold(f, estimate, estimate if bound is None else bound, levels,
+                          {g.index: level for g, level in changed.items()}, result, time.perf_counter() - t0,
+                          _signature(calls)))
+
+
+def _same(a: Plan, b: Plan) -> bool:
+    """Two plans of one graph that save and rerun the same (lowering one for the other changes nothing)."""
+    return ([x.name for x in a.saved] == [x.name for x in b.saved] and a.peak.step == b.peak.step
+            and (a.rerun.names if a.rerun else None) == (b.rerun.names if b.rerun else None))
+
+
+def _held(result: StepHold) -> StepHold:
+    STEP.step_hold = result
+    log.info("remat_fx: %s (%.1f s)", result, result.seconds)
+    return result
+
+
 # -- the report ------------------------------------------------------------------------------------
 @dataclass
 class StepReport:
@@ -1457,6 +1625,7 @@ class StepReport:
     # per call, bytes of its held outputs freed during the later calls' backwards, before its own
     later: Optional[List[int]] = None
     sharding: Optional[Sharding] = None  # FSDP2's gathered parameters per call (None: no sharding seen)
+    held: Optional[StepHold] = None  # a fraction memory_budget held on this step's estimate (hold_step)
 
     @property
     def graphs(self) -> Dict[int, Plan]:
@@ -1479,6 +1648,8 @@ class StepReport:
                  + ("" if self.limit is None else f"; peak_budget {fmt_bytes(self.limit)}"),
                  f"  {'call':>4s} {'graph':>5s} {'saved':>12s} {'held':>12s} {'freed':>12s} {'freed later':>12s} {'fw peak':>12s} "
                  f"{'bw peak':>12s} {'grads':>12s} {'step at fw':>12s} {'step at bw':>12s}  budget"]
+        if self.held is not None:
+            lines.insert(1, f"  {self.held}")
         if self.sharding is not None:
             gathered = ", ".join(fmt_bytes(g) for g in self.sharding.gathered)
             lines.insert(1, f"  sharded parameters (FSDP2): gathered per call {gathered}"
@@ -1505,9 +1676,10 @@ def step_report() -> StepReport:
     limit = step_limit(calls[0].options) if calls and calls[0].options.step_peak not in (None, "auto") else None
     released, later = _released(calls)
     sharding = _sharding(calls)
+    held = STEP.step_hold if STEP.step_hold is not None and STEP.step_hold.calls == _signature(calls) else None
     return StepReport([(g.index, g.plan, c) for g, c in zip(calls, costs)],
                       step_peak(costs, released, later, sharding) if calls else None, limit, released, later,
-                      sharding)
+                      sharding, held)
 
 
 def _released(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[CompiledGraph], Plan]] = None):

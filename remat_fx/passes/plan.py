@@ -78,6 +78,9 @@ class BudgetReport:
     # plan held under the next target's; ...; None, every target up the grid (that budget's final plan)
     held_levels: Optional[int] = None
     alike: int = 0  # classes of ops alike across repeated blocks that the solver decided alike (passes/budget.py)
+    # a fraction budget's step of several calls held under the larger budgets' on the step's estimate:
+    # the plan of which budget, and the estimates (remat_fx/step.py hold_step)
+    step_held: str = ""
 
     @property
     def at_minimum(self) -> bool:
@@ -119,6 +122,8 @@ class BudgetReport:
         elif self.lowered_to is not None:
             text += (f": solved at a lower target, {fmt_bytes(self.lowered_to)}, for {self.lowered_for} "
                      f"({fastest})")
+        if self.step_held:
+            text += f"; in its step, {self.step_held}"
         if self.solver == "none":
             text += ": the plan without a budget fits, no solver ran"
         else:
