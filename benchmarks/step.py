@@ -3,12 +3,13 @@ through the blocks), measured as a whole (CPU).
 
     python benchmarks/step.py [--lower inductor|eager] [--layers 8] [--d-model 128] [--seq 256] [--batch 16]
                               [--torch-budgets 1,0.3,0] [--limits 0.8,0.6,0.4] [--fractions 1,0.5,0] [--fit 0.6,0.4]
-                              [--threads N]
+                              [--budgets 0.5,0.2,0] [--threads N]
 
 Variants: eager; eager with torch.utils.checkpoint per block; PyTorch's torch.compile (Inductor)
 with ``activation_memory_budget`` at --torch-budgets; remat without a budget; remat with a
 byte ``peak_budget`` at --limits (fractions of remat's unbudgeted measured peak); remat with a
-fraction ``peak_budget`` at --fractions; ``remat.fit`` (measured) at --fit limits. Peak: the
+fraction ``peak_budget`` at --fractions; ``remat.fit`` (measured) at --fit limits; a fraction
+``memory_budget`` at --budgets. Peak: the
 profiler's allocation events over one warmed-up step (remat_fx.measure.step_peak_bytes); estimate:
 remat.step_report()'s whole-step estimate; time: median of --steps steps; first step: the
 compiling step(s), replans and fit searches included. Writes benchmarks/out/step_<lower>.md.
@@ -113,6 +114,8 @@ def main():
     ap.add_argument("--limits", default="0.8,0.6,0.4")
     ap.add_argument("--fractions", default="1,0.5,0")
     ap.add_argument("--fit", default="0.6,0.4")
+    ap.add_argument("--budgets", default="", help="remat memory_budget fractions (the step held on its estimate "
+                                                   "at the second step: docs/step.md)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch.set_num_threads (0: PyTorch's default); 1 steadies timings on a shared machine")
     args = ap.parse_args()
@@ -134,6 +137,13 @@ def main():
     for f in floats(args.fractions):
         rows.append(measure(f"remat, peak_budget fraction {f:g}",
                             variant(args, {"lower": args.lower, "peak_budget": f}), args))
+    for b in floats(args.budgets):
+        row = measure(f"remat, memory_budget {b:g}", variant(args, {"lower": args.lower, "memory_budget": b}), args)
+        held = remat.step_report().held
+        if held is not None:
+            taken = ", ".join(f"graph {i} at {f:g}" for i, f in sorted(held.taken.items())) or "kept"
+            row["fit"] = f"held in {held.seconds:.1f} s: {taken}"
+        rows.append(row)
     for f in floats(args.fit):
         limit = int(free["peak"] * f)
         step = variant(args, {"lower": args.lower})
@@ -145,7 +155,8 @@ def main():
         rows.append(row)
     lines = [f"Whole step, {args.layers} blocks (graph break halfway), d {args.d_model}, seq {args.seq}, batch "
              f"{args.batch}, {args.lower} lowering, torch {torch.__version__}, CPU", "",
-             "| variant | graphs / calls | measured peak MiB | whole-step estimate MiB | limit MiB | step ms | first step s | fit |",
+             "| variant | graphs / calls | measured peak MiB | whole-step estimate MiB | limit MiB | step ms | first step s "
+             "| fit, or the step held |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         est = "" if r["estimate"] is None else f"{r['estimate'] / 2**20:.2f}"

@@ -87,6 +87,31 @@ def grads_once(costs: Sequence[CallCost], calls: Sequence["CompiledGraph"], ios)
     return out
 
 
+def step_costs(calls: Sequence["CompiledGraph"], ios, plan_of: Optional[Callable[["CompiledGraph"], Plan]] = None
+               ) -> List[CallCost]:
+    """What each of ``calls`` adds to the step under its plan (``plan_of``, by default the one it
+    runs), with the inputs that eager code made during the step (``CallIO.external``: an embedding
+    before the first graph, a head between the blocks' graphs and the loss graph; no graph's
+    estimate counts them) alive through its forward, and until its backward where the plan keeps
+    them; each parameter gradient counted once (:func:`grads_once`)."""
+    plan_of = plan_of or (lambda g: g.plan)
+    costs = [call_cost(plan_of(g), g.grads) for g in calls]
+    if ios is not None and len(ios) == len(costs):
+        for i, (g, io) in enumerate(zip(calls, ios)):
+            external = getattr(io, "external", ())
+            if not external:
+                continue
+            kept_inputs = g.saved_input_indices(plan_of(g), io.nargs)  # None: taken as kept
+            kept = sum(nbytes for m, nbytes in external if kept_inputs is None or m in kept_inputs)
+            c = costs[i]
+            # kept: alive until its backward begins, which frees each input after its last use there (the
+            # backward's estimate counts none of its inputs; counted through it, the logits a loss graph
+            # keeps and reads first were 18% over the measured step)
+            costs[i] = dataclasses.replace(c, forward=c.forward + sum(nbytes for _, nbytes in external),
+                                           saved=c.saved + kept)
+    return grads_once(costs, calls, ios)
+
+
 def call_cost(plan: Plan, grads: int) -> CallCost:
     p = plan.peak
     return CallCost(saved=p.saved, held=p.held, forward=p.forward, backward=p.backward, grads=grads)
@@ -573,7 +598,7 @@ class CallIO:
     began. Weak references only: it keeps nothing alive."""
 
     __slots__ = ("outputs", "storage_of", "expired", "sizes", "consumers", "alive", "alive_at_own", "nargs",
-                 "params", "regathered", "world", "kept_into_next", "leaves")
+                 "params", "regathered", "world", "kept_into_next", "leaves", "external")
 
     def __init__(self, out, args, params: bool = False):
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -617,6 +642,8 @@ class CallIO:
         self.regathered: Optional[int] = None  # bytes of them seen freed before its backward began
         self.world = 0  # ranks of the process group it ran under (0: none)
         self.kept_into_next = False  # some of them still unfreed once the next call's forward ran
+        # its inputs made by eager code during the step (_Step.watch): (input index, bytes) per storage
+        self.external: List[Tuple[int, int]] = []
 
     @property
     def param_bytes(self) -> int:
@@ -650,6 +677,7 @@ class _Light:
     __slots__ = ("__weakref__",)
     outputs: tuple = ()
     params: tuple = ()
+    external: tuple = ()
     alive = alive_at_own = None
 
 
@@ -773,6 +801,7 @@ class _Step:
         self.last_versions: tuple = ()  # the lowering of each of them that ran
         self.full: Dict[tuple, List[CallIO]] = {}  # step signature -> its calls' record, from its settling step
         self.made: Dict[int, tuple] = {}  # id of an output of this step's calls -> (its CallIO, index, weakref)
+        self.made_storages: set = set()  # the storages of this step's calls' outputs (storage_key)
         self.backward_began = False
         self.leaves: Optional[Dict[int, weakref.ref]] = None  # while remat.fit collects them: the inputs needing grad
         self.planned: Dict[tuple, object] = {}  # step signature -> shared fraction chosen (None: kept)
@@ -794,7 +823,7 @@ class _Step:
             # torch._dynamo.reset() or under other options, a new batch size): the last step is not this
             # one's to plan now (it raised the old compile's limit error in the new model's first forward)
             newer = not graph.entered and all(graph.index > g.index for g in self.last)
-            self.calls, self.made, self.backward_began = [], {}, False
+            self.calls, self.made, self.made_storages, self.backward_began = [], {}, set(), False
             self.number += 1
             self.auto = {k: v for k, v in self.auto.items() if k >= self.number}
             if self.number not in self.auto and any(g.options.step_peak == "auto" for g in self.last):
@@ -851,12 +880,24 @@ class _Step:
                 # gradient of the outputs arrives, before FSDP2's own hook on them (registered after
                 # this one, when the module's forward returns) gathers them again
                 torch.autograd.graph.register_multi_grad_hook(outputs, _Regathered(io), mode="any")
+        external = set()
         for m, a in enumerate(args):  # which earlier call's output each input is (by identity)
             found = self.made.get(id(a))
             if found is not None and found[2]() is a and found[0].storage_of[found[1]] is not None:
                 found[0].consumers[found[0].storage_of[found[1]]].append((io, m))
+            elif found is None and isinstance(a, torch.Tensor) and a.grad_fn is not None:
+                # made by eager code in this step (an embedding before the first graph, a head between
+                # the blocks' graphs and the loss's), not a view of an earlier call's output: its bytes
+                # are the step's, which no graph's estimate counts
+                key = storage_key(a)
+                if key is not None and key not in self.made_storages and key not in external:
+                    external.add(key)
+                    io.external.append((m, int(a.untyped_storage().nbytes())))
         for k, ref in enumerate(io.outputs):
             self.made[id(ref())] = (io, k, ref)
+            key = storage_key(ref())
+            if key is not None:
+                self.made_storages.add(key)
         self.calls.append((graph, weakref.ref(pending), io))
 
     def began(self) -> None:
@@ -1024,7 +1065,7 @@ def backward_limit(plan: Plan) -> Optional[int]:
     sharding = sharding_of(ios)
     if (sharding is None and _group() is not None) or (sharding is not None and not sharding.complete):
         return None
-    costs = grads_once([g.cost for g in calls], calls, ios)
+    costs = step_costs(calls, ios)
     found = released_bytes(calls, ios, lambda g: g.plan)
     if found is None:
         return None
@@ -1316,7 +1357,7 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
     if limit is None and opts.step_peak is not None:
         plan_step(calls, fraction=opts.step_peak.fraction, saved_limit=saved_limit)
         return
-    estimated = step_peak(grads_once([g.cost for g in calls], calls, STEP.io_of(calls)), *_released(calls),
+    estimated = step_peak(step_costs(calls, STEP.io_of(calls)), *_released(calls),
                           _sharding(calls)).peak
     saved = sum(g.plan.total_bytes for g in calls)
     exceeded = (limit is not None and estimated > limit) or (saved_limit is not None and saved > saved_limit)
@@ -1382,11 +1423,11 @@ def estimate_curve(calls: Sequence[CompiledGraph], fractions: Optional[Sequence]
     curve: Dict[Optional[float], Tuple[int, int]] = {}
     for f in candidates(calls[0].options) if fractions is None else fractions:
         t0 = time.perf_counter()
-        costs, saved, plans = {}, {}, {}
+        saved, plans = {}, {}
         for g in graphs:
             plan = plans[g] = g.estimate(shared_options(g.options, f))
-            costs[g], saved[g] = call_cost(plan, g.grads), plan.total_bytes
-        curve[f] = (step_peak(grads_once([costs[g] for g in calls], calls, ios), *_released(calls, plans.__getitem__),
+            saved[g] = plan.total_bytes
+        curve[f] = (step_peak(step_costs(calls, ios, plans.__getitem__), *_released(calls, plans.__getitem__),
                               _sharding(calls)).peak,
                     sum(saved[g] for g in calls))
         log.info("remat_fx: step of %d calls of %d graphs, shared memory_budget %s: estimated peak %s, saved %s "
@@ -1524,8 +1565,7 @@ def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
 
     def step_of(chosen: Dict[CompiledGraph, Plan]) -> int:
         plan_of = lambda g: chosen.get(g, own[g])  # noqa: E731
-        costs = [call_cost(plan_of(g), g.grads) for g in calls]
-        return step_peak(grads_once(costs, calls, ios), *_released(calls, plan_of), sharding).peak
+        return step_peak(step_costs(calls, ios, plan_of), *_released(calls, plan_of), sharding).peak
 
     def plans_at(level: float) -> Dict[CompiledGraph, Plan]:
         if level not in plans:
@@ -1672,7 +1712,7 @@ def step_report() -> StepReport:
     """Every compiled graph of the last training step (the step in progress once its backward has
     begun), with saved bytes and estimated peaks per call, and the estimated peak of the whole step."""
     calls = [g for g in STEP.finished() if g.plan is not None]
-    costs = grads_once([g.cost for g in calls], calls, STEP.io_of(calls))
+    costs = step_costs(calls, STEP.io_of(calls))
     limit = step_limit(calls[0].options) if calls and calls[0].options.step_peak not in (None, "auto") else None
     released, later = _released(calls)
     sharding = _sharding(calls)
