@@ -1800,7 +1800,7 @@ def test_memory_budget_holds_a_step_that_calls_one_graph_per_block_under_the_lar
         assert len(report.calls) == 7 and len(report.graphs) == 2, report
         for plan in report.graphs.values():
             assert plan.total_bytes <= plan.budget.target, (budget, str(plan.budget))
-        got[budget] = (peak, report.peak.peak, report.held, str(report))
+        got[budget] = (peak, report.peak.peak, report.held, str(report), list(report.graphs.values()))
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(_grads(model), expected)), budget
     for high, low in ((0.9, 0.8), (0.5, 0.4)):
         assert got[low][0] <= max(got[high][0] * 1.01, got[high][0] + 65536), (high, low, got)
@@ -1811,6 +1811,8 @@ def test_memory_budget_holds_a_step_that_calls_one_graph_per_block_under_the_lar
         assert hold.held < hold.estimate and hold.held <= hold.bound, hold
         assert f"memory_budget {budget:g} held on the step's estimate" in str(hold) and "took graph" in str(hold)
         assert str(hold) in got[budget][3]  # remat.step_report() says it
+        assert any(f"in its step, budget {f:g}'s plan, which saves within this budget" in str(plan.budget)
+                   for f in hold.taken.values() for plan in got[budget][4]), got[budget][4]  # and the plan
 
 
 def test_memory_budget_0_holds_the_step_under_budget_0_05s_step():
