@@ -97,18 +97,27 @@ def step_costs(calls: Sequence["CompiledGraph"], ios, plan_of: Optional[Callable
     plan_of = plan_of or (lambda g: g.plan)
     costs = [call_cost(plan_of(g), g.grads) for g in calls]
     if ios is not None and len(ios) == len(costs):
+        # each storage once, at the first call that reads it (an encoder's output, or an x0 that every
+        # block reads, was counted once per call: 1.24x the measured step over 6 calls, a review);
+        # kept, where any call that reads it keeps it, until the first one's backward begins (the last
+        # of theirs: over, not under, where a later call keeps it), which frees each input after its
+        # last use there (the backward's estimate counts none of its inputs; counted through it, the
+        # logits a loss graph keeps and reads first were 18% over the measured step)
+        first: Dict[int, Tuple[int, int]] = {}  # storage key -> (the first call reading it, bytes)
+        kept = set()
         for i, (g, io) in enumerate(zip(calls, ios)):
             external = getattr(io, "external", ())
             if not external:
                 continue
             kept_inputs = g.saved_input_indices(plan_of(g), io.nargs)  # None: taken as kept
-            kept = sum(nbytes for m, nbytes in external if kept_inputs is None or m in kept_inputs)
+            for m, nbytes, key in external:
+                first.setdefault(key, (i, nbytes))
+                if kept_inputs is None or m in kept_inputs:
+                    kept.add(key)
+        for key, (i, nbytes) in first.items():
             c = costs[i]
-            # kept: alive until its backward begins, which frees each input after its last use there (the
-            # backward's estimate counts none of its inputs; counted through it, the logits a loss graph
-            # keeps and reads first were 18% over the measured step)
-            costs[i] = dataclasses.replace(c, forward=c.forward + sum(nbytes for _, nbytes in external),
-                                           saved=c.saved + kept)
+            costs[i] = dataclasses.replace(c, forward=c.forward + nbytes,
+                                           saved=c.saved + (nbytes if key in kept else 0))
     return grads_once(costs, calls, ios)
 
 
@@ -598,7 +607,7 @@ class CallIO:
     began. Weak references only: it keeps nothing alive."""
 
     __slots__ = ("outputs", "storage_of", "expired", "sizes", "consumers", "alive", "alive_at_own", "nargs",
-                 "params", "regathered", "world", "kept_into_next", "leaves", "external")
+                 "params", "regathered", "world", "kept_into_next", "leaves", "external", "keys")
 
     def __init__(self, out, args, params: bool = False):
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -622,6 +631,7 @@ class CallIO:
                 self.expired.append(storage_ref(t)[1])
                 self.sizes.append(int(t.untyped_storage().nbytes()))
             self.storage_of.append(where[key])
+        self.keys = list(where)  # per storage, its key
         # per storage: (the later call's CallIO, input index) while the step runs; (its position
         # among the step's calls, input index) once the backward began
         self.consumers: List[list] = [[] for _ in self.sizes]
@@ -642,8 +652,8 @@ class CallIO:
         self.regathered: Optional[int] = None  # bytes of them seen freed before its backward began
         self.world = 0  # ranks of the process group it ran under (0: none)
         self.kept_into_next = False  # some of them still unfreed once the next call's forward ran
-        # its inputs made by eager code during the step (_Step.watch): (input index, bytes) per storage
-        self.external: List[Tuple[int, int]] = []
+        # its inputs made by eager code during the step (_Step.watch): (input index, bytes, storage key)
+        self.external: List[Tuple[int, int, int]] = []
 
     @property
     def param_bytes(self) -> int:
@@ -801,7 +811,7 @@ class _Step:
         self.last_versions: tuple = ()  # the lowering of each of them that ran
         self.full: Dict[tuple, List[CallIO]] = {}  # step signature -> its calls' record, from its settling step
         self.made: Dict[int, tuple] = {}  # id of an output of this step's calls -> (its CallIO, index, weakref)
-        self.made_storages: set = set()  # the storages of this step's calls' outputs (storage_key)
+        self.made_storages: Dict[int, Callable[[], bool]] = {}  # this step's calls' output storages -> expired
         self.backward_began = False
         self.leaves: Optional[Dict[int, weakref.ref]] = None  # while remat.fit collects them: the inputs needing grad
         self.planned: Dict[tuple, object] = {}  # step signature -> shared fraction chosen (None: kept)
@@ -823,7 +833,7 @@ class _Step:
             # torch._dynamo.reset() or under other options, a new batch size): the last step is not this
             # one's to plan now (it raised the old compile's limit error in the new model's first forward)
             newer = not graph.entered and all(graph.index > g.index for g in self.last)
-            self.calls, self.made, self.made_storages, self.backward_began = [], {}, set(), False
+            self.calls, self.made, self.made_storages, self.backward_began = [], {}, {}, False
             self.number += 1
             self.auto = {k: v for k, v in self.auto.items() if k >= self.number}
             if self.number not in self.auto and any(g.options.step_peak == "auto" for g in self.last):
@@ -883,21 +893,24 @@ class _Step:
         external = set()
         for m, a in enumerate(args):  # which earlier call's output each input is (by identity)
             found = self.made.get(id(a))
-            if found is not None and found[2]() is a and found[0].storage_of[found[1]] is not None:
+            if found is not None and found[2]() is not a:
+                found = None  # another tensor's id, that one gone
+            if found is not None and found[0].storage_of[found[1]] is not None:
                 found[0].consumers[found[0].storage_of[found[1]]].append((io, m))
-            elif found is None and isinstance(a, torch.Tensor) and a.grad_fn is not None:
+            elif found is None and isinstance(a, torch.Tensor) and a.grad_fn is not None and \
+                    not (a._base is not None and a._base.is_leaf):
                 # made by eager code in this step (an embedding before the first graph, a head between
-                # the blocks' graphs and the loss's), not a view of an earlier call's output: its bytes
+                # the blocks' graphs and the loss's), not a view of an earlier call's output still alive
+                # (a storage's address is used again once it is freed) nor of a parameter: its bytes
                 # are the step's, which no graph's estimate counts
                 key = storage_key(a)
-                if key is not None and key not in self.made_storages and key not in external:
+                expired = self.made_storages.get(key)
+                if key is not None and (expired is None or expired()) and key not in external:
                     external.add(key)
-                    io.external.append((m, int(a.untyped_storage().nbytes())))
+                    io.external.append((m, int(a.untyped_storage().nbytes()), key))
         for k, ref in enumerate(io.outputs):
             self.made[id(ref())] = (io, k, ref)
-            key = storage_key(ref())
-            if key is not None:
-                self.made_storages.add(key)
+        self.made_storages.update(zip(io.keys, io.expired))
         self.calls.append((graph, weakref.ref(pending), io))
 
     def began(self) -> None:
@@ -1335,9 +1348,16 @@ def _after_step(calls: List[CompiledGraph]) -> None:
                 (len(set(calls)) < len(calls) or opts.monotone == "grid"):
             try:
                 hold_step(calls)
-            except BaseException:
-                STEP.planned.pop(sig, None)  # interrupted (Ctrl-C, an error lowering again): held at the next step
+            except KeyboardInterrupt:
+                STEP.planned.pop(sig, None)  # interrupted: held at the next step
                 raise
+            except Exception as e:  # noqa: BLE001 - the plans the step has run are kept, and said so
+                # not raised into the user's forward at every step (each rank decides alone: a rank that
+                # raised would leave the others waiting in their collectives)
+                warnings.warn(f"remat_fx: holding this step's memory_budget {budget.fraction:g} under the larger "
+                              f"budgets' on its whole-step estimate failed ({type(e).__name__}: {e}); the step keeps "
+                              f"the plans it ran, each held under the larger budgets' on its own estimate. Please "
+                              f"report this with the model.", stacklevel=2)
         return
     from remat_fx.ranks import plan_on_every_rank
 
@@ -1515,9 +1535,12 @@ class StepHold:
     calls: Tuple[int, ...] = ()  # the step's calls (graph indices): the step it was held for
 
     def __str__(self) -> str:
+        if not self.levels:
+            return f"memory_budget {self.budget:g}: no larger budget to hold the step's estimate under; kept"
         levels = ", ".join(f"{f:g}: {fmt_bytes(p)}" for f, p in sorted(self.levels.items(), reverse=True))
         text = (f"memory_budget {self.budget:g} held on the step's estimate: its graphs' own plans "
-                f"{fmt_bytes(self.estimate)}, the larger budgets' ({levels})")
+                f"{fmt_bytes(self.estimate)}, the larger budgets' {fmt_bytes(self.bound)} (as each holds its own; "
+                f"the step with every graph at {levels})")
         if not self.taken:
             return text + "; kept"
         taken = ", ".join(f"graph {i}: budget {f:g}'s plan" for i, f in sorted(self.taken.items()))
@@ -1605,7 +1628,8 @@ def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
                 break
         scored = [(step_of(c), sum(c.get(g, own[g]).step_cost_s for g in calls), c) for c in tried]
         meet = [x for x in scored if x[0] <= bound]
-        best = min(meet, key=lambda x: x[:2]) if meet else min(scored, key=lambda x: x[:2], default=None)
+        # the fastest step that meets the bound, else the lowest
+        best = min(meet, key=lambda x: (x[1], x[0])) if meet else min(scored, key=lambda x: x[:2], default=None)
         if best is None or best[0] >= estimate:
             return estimate, start, bound
         return best[0], best[2], bound
@@ -1623,21 +1647,28 @@ def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
         _plan._PLANS[:] = kept  # the estimates are not the compiled graphs' plans (remat.last_plan)
     levels = {x: p for x, p in raw.items() if x > f}
     changed = {g: origin[id(p)] for g, p in chosen.items() if g in own and not _same(p, own[g])}
+    taken = {}
     for g, level in changed.items():
         report = g.plan.budget
         g.relower(shared_options(g.options, level))
         picked = g.plan.budget
+        if not _same(g.plan, chosen[g]):
+            # relower kept the lowering it had (a graph of dynamic shapes: CompiledGraph.relower warns)
+            # or planned otherwise: not taken, and its report left as it is
+            continue
+        taken[g.index] = level
         if picked is not None:  # re-reported as the user's budget, held on the step's estimate
-            picked.lowered_to = picked.target if picked.lowered_to is None else picked.lowered_to
-            picked.budget, picked.target = report.budget, report.target
+            picked.budget, picked.target, picked.lowered_to = report.budget, report.target, None
+            picked.held_under, picked.held_by, picked.held_met, picked.held_levels = None, "", True, None
             picked.fastest_peak = report.fastest_peak or own[g].peak.step
             picked.fastest_step_s = report.fastest_step_s or own[g].step_cost_s
             picked.step_held = (f"budget {level:g}'s plan, which saves within this budget, holds the step's "
                                 f"estimated peak at {fmt_bytes(result)} (its own plan: {fmt_bytes(estimate)}; the "
                                 f"larger budgets': {fmt_bytes(bound)})")
-    return _held(StepHold(f, estimate, estimate if bound is None else bound, levels,
-                          {g.index: level for g, level in changed.items()}, result, time.perf_counter() - t0,
-                          _signature(calls)))
+    if len(taken) < len(changed):
+        result = step_of({g: g.plan for g in graphs})  # what the step runs now
+    return _held(StepHold(f, estimate, estimate if bound is None else bound, levels, taken, result,
+                          time.perf_counter() - t0, _signature(calls)))
 
 
 def _same(a: Plan, b: Plan) -> bool:
