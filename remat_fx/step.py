@@ -92,17 +92,20 @@ def step_costs(calls: Sequence["CompiledGraph"], ios, plan_of: Optional[Callable
     """What each of ``calls`` adds to the step under its plan (``plan_of``, by default the one it
     runs), with the inputs that eager code made during the step (``CallIO.external``: an embedding
     before the first graph, a head between the blocks' graphs and the loss graph; no graph's
-    estimate counts them) alive through its forward, and until its backward where the plan keeps
-    them; each parameter gradient counted once (:func:`grads_once`)."""
+    estimate counts them) that its plan keeps for its backward, alive from its forward until then;
+    each parameter gradient counted once (:func:`grads_once`)."""
     plan_of = plan_of or (lambda g: g.plan)
     costs = [call_cost(plan_of(g), g.grads) for g in calls]
     if ios is not None and len(ios) == len(costs):
         # each storage once, at the first call that reads it (an encoder's output, or an x0 that every
-        # block reads, was counted once per call: 1.24x the measured step over 6 calls, a review);
-        # kept, where any call that reads it keeps it, until the first one's backward begins (the last
-        # of theirs: over, not under, where a later call keeps it), which frees each input after its
-        # last use there (the backward's estimate counts none of its inputs; counted through it, the
-        # logits a loss graph keeps and reads first were 18% over the measured step)
+        # block reads, was counted once per call: 1.24x the measured step over 6 calls, a review), and
+        # only where a call that reads it keeps it for its backward: from the first reader's forward
+        # until its backward begins (the last of theirs: over, not under, where a later call keeps
+        # it), which frees each input after its last use there (the backward's estimate counts none of
+        # its inputs; counted through it, the logits a loss graph keeps and reads first were 18% over
+        # the measured step). One that no call keeps is freed by its graph after its last use there
+        # (AOTAutograd's boxed calls), maybe before the graph's peak: counted through the forward, an
+        # eager head's logits that the loss graph read first and did not keep were 4% over
         first: Dict[int, Tuple[int, int]] = {}  # storage key -> (the first call reading it, bytes)
         kept = set()
         for i, (g, io) in enumerate(zip(calls, ios)):
@@ -115,9 +118,9 @@ def step_costs(calls: Sequence["CompiledGraph"], ios, plan_of: Optional[Callable
                 if kept_inputs is None or m in kept_inputs:
                     kept.add(key)
         for key, (i, nbytes) in first.items():
-            c = costs[i]
-            costs[i] = dataclasses.replace(c, forward=c.forward + nbytes,
-                                           saved=c.saved + (nbytes if key in kept else 0))
+            if key in kept:  # one no call keeps: its graph frees it after its last use there (not counted)
+                costs[i] = dataclasses.replace(costs[i], forward=costs[i].forward + nbytes,
+                                               saved=costs[i].saved + nbytes)
     return grads_once(costs, calls, ios)
 
 

@@ -1895,10 +1895,10 @@ def test_the_step_estimate_counts_the_inputs_eager_code_makes_between_the_graphs
     """A graph break before each block: Dynamo compiles the block as a graph of its own and runs
     the embedding and the head eagerly, the loss compiled apart. The embedding's output (the first
     block's input) and the logits (the loss graph's input) are made by eager code in the step: no
-    graph's estimate counted them, and the step's estimate missed them (8 blocks, vocab 2,000,
-    Inductor: 39.63 MiB estimated, 56.27 measured; here, the eager lowering, the embedding's 128 KiB).
-    They are counted at the call that reads them, and until its backward where its plan keeps them:
-    the estimate is the measured peak, at two budgets."""
+    graph's estimate counted them, and the step's estimate missed the embedding's 128 KiB. Both are
+    kept for the backward by the graph that reads them, and counted from its forward until then: the
+    estimate is the measured peak, at two budgets. (One that no graph keeps is not counted: its
+    graph frees it after its last use there; docs/step.md.)"""
     import torch.nn.functional as F
 
     class Block(torch.nn.Module):
