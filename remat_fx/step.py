@@ -92,8 +92,9 @@ def step_costs(calls: Sequence["CompiledGraph"], ios, plan_of: Optional[Callable
     """What each of ``calls`` adds to the step under its plan (``plan_of``, by default the one it
     runs), with the inputs that eager code made during the step (``CallIO.external``: an embedding
     before the first graph, a head between the blocks' graphs and the loss graph; no graph's
-    estimate counts them) that its plan keeps for its backward, alive from its forward until then;
-    each parameter gradient counted once (:func:`grads_once`)."""
+    estimate counts them): one its plan keeps for its backward, alive from its forward until then,
+    others up to their last use in its forward; each parameter gradient counted once
+    (:func:`grads_once`)."""
     plan_of = plan_of or (lambda g: g.plan)
     costs = [call_cost(plan_of(g), g.grads) for g in calls]
     if ios is not None and len(ios) == len(costs):
@@ -104,9 +105,9 @@ def step_costs(calls: Sequence["CompiledGraph"], ios, plan_of: Optional[Callable
         # it), which frees each input after its last use there (the backward's estimate counts none of
         # its inputs; counted through it, the logits a loss graph keeps and reads first were 18% over
         # the measured step). One that no call keeps is freed by its graph after its last use there
-        # (AOTAutograd's boxed calls), maybe before the graph's peak: counted through the forward, an
-        # eager head's logits that the loss graph read first and did not keep were 4% over
-        first: Dict[int, Tuple[int, int]] = {}  # storage key -> (the first call reading it, bytes)
+        # (AOTAutograd's boxed calls), maybe before the graph's peak: up to there (counted through the
+        # forward, an eager head's logits that the loss graph read first and did not keep were 4% over)
+        first: Dict[int, Tuple[int, int, int]] = {}  # storage key -> (the first call reading it, input, bytes)
         kept = set()
         for i, (g, io) in enumerate(zip(calls, ios)):
             external = getattr(io, "external", ())
@@ -114,13 +115,20 @@ def step_costs(calls: Sequence["CompiledGraph"], ios, plan_of: Optional[Callable
                 continue
             kept_inputs = g.saved_input_indices(plan_of(g), io.nargs)  # None: taken as kept
             for m, nbytes, key in external:
-                first.setdefault(key, (i, nbytes))
+                first.setdefault(key, (i, m, nbytes))
                 if kept_inputs is None or m in kept_inputs:
                     kept.add(key)
-        for key, (i, nbytes) in first.items():
-            if key in kept:  # one no call keeps: its graph frees it after its last use there (not counted)
+        for key, (i, m, nbytes) in first.items():
+            if key in kept:
                 costs[i] = dataclasses.replace(costs[i], forward=costs[i].forward + nbytes,
                                                saved=costs[i].saved + nbytes)
+                continue
+            # kept by none: alive in its first reader's forward up to its last use there
+            g, peak = calls[i], plan_of(calls[i]).peak
+            name = g.primals[m] if g.primals is not None and m < len(g.primals) else None
+            span = next((x for x in peak.inputs if x[0] == name), None)
+            if span is not None:
+                costs[i] = dataclasses.replace(costs[i], forward=max(costs[i].forward, span[1] + nbytes, span[2]))
     return grads_once(costs, calls, ios)
 
 

@@ -472,11 +472,16 @@ def test_a_plannings_forwards_are_each_simulated_once_and_their_peaks_are_the_fr
     ((gm, joint_inputs, kwargs),) = _capture(GPT(cfg), random_batch(cfg, 2), {})
     forwards, estimates, floors = [], [], []
     real_simulate, real_estimate, real_rerun = peak.simulate, partition.estimate_peak, partition.rerun_for_peak
+    real_forward = partition.forward_simulation
 
     def simulate(g, *args, **kw):
         if not args and not kw.get("counted_inputs"):  # a forward: nothing counted from the start
             forwards.append(g)
         return real_simulate(g, *args, **kw)
+
+    def forward_simulation(g, *args, **kw):  # the forward's peak and its inputs' spans, in one
+        forwards.append(g)
+        return real_forward(g, *args, **kw)
 
     def estimate(fw, bw, *args, **kw):
         found = real_estimate(fw, bw, *args, **kw)
@@ -488,7 +493,7 @@ def test_a_plannings_forwards_are_each_simulated_once_and_their_peaks_are_the_fr
         return real_rerun(bw, counted, shared, held, floor, *args, **kw)
 
     monkeypatch.setattr(peak, "simulate", simulate)
-    monkeypatch.setattr(partition, "simulate", simulate)
+    monkeypatch.setattr(partition, "forward_simulation", forward_simulation)
     monkeypatch.setattr(partition, "estimate_peak", estimate)
     monkeypatch.setattr(partition, "rerun_for_peak", rerun)
     with _tracing(joint_inputs):

@@ -35,7 +35,8 @@ from remat_fx.passes.engine_order import our_reordering
 from remat_fx.passes.extract_once import extracted_once
 from remat_fx.passes.lazy_module import lazy, lazy_modules
 from remat_fx.passes.max_flow import boykov_kolmogorov_flow
-from remat_fx.passes.peak import FINAL_ALIKE, backward_inputs, fit_peak, lower_peak, monotone_peak, simulate
+from remat_fx.passes.peak import FINAL_ALIKE, backward_inputs, fit_peak, forward_simulation, lower_peak, \
+    monotone_peak
 from remat_fx.passes.peak import estimate as estimate_peak
 from remat_fx.passes.rerun import Searched, rerun_for_peak
 from remat_fx.passes.plan import build_plan, record
@@ -135,8 +136,8 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
         peak searches finish one partition several times (with and without reruns, under other time
         allowances and caps), and each rerun search and estimate reads its forward's peak."""
         if id(fw) not in forward_peaks:
-            # the forward kept with its peak: its id stays its own
-            forward_peaks[id(fw)] = (fw, simulate(fw, inline=options.lower == "inductor")[0])
+            # the forward kept with its peak: its id stays its own; with each input's span (step_costs)
+            forward_peaks[id(fw)] = (fw, *forward_simulation(fw, inline=options.lower == "inductor"))
         return forward_peaks[id(fw)][1]
 
     def finish(fw, bw, plan, budgeted, fastest_s, cap=None, quick=False):
@@ -148,7 +149,7 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                         cap is not None and plan.budget is not None and plan.budget.at_minimum, rerun_searches,
                         forward_peak(fw))
         plan.peak = estimate_peak(fw, bw, num_fwd_outputs, inline=options.lower == "inductor",
-                                  forward_peak=forward_peak(fw))
+                                  forward_peak=forward_peak(fw), forward_inputs=forward_peaks[id(fw)][2])
         return fw, bw, plan
 
     # our budget, not PyTorch's (its global knob would otherwise re-decide the min-cut's plan)

@@ -48,6 +48,9 @@ class PeakEstimate:
     backward: int  # at the backward's peak (what the forward left included)
     saved: int  # what the forward leaves for the backward (not counting its own inputs)
     held: int = 0  # the forward's other outputs (the loss, a next graph's input), held through the backward
+    # per forward input (placeholder name): the forward's peak up to its last use, and after it (where an
+    # input the caller gives and holds nowhere else is alive: remat_fx/step.py step_costs)
+    inputs: Tuple[Tuple[str, int, int], ...] = ()
 
     @property
     def step(self) -> int:
@@ -485,6 +488,24 @@ def simulate(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dic
     return max(live), sum(storages[k][1] for k in outputs if k in storages)
 
 
+def forward_simulation(gm: fx.GraphModule, inline: bool = False) -> Tuple[int, Tuple[Tuple[str, int, int], ...]]:
+    """(``simulate(gm, inline=inline)[0]``, per placeholder (name, the peak up to its last use, the peak
+    after it)): one timeline for both."""
+    nodes, _, _, live, last = _timeline(gm, (), None, inline)
+    n = len(live)
+    before, after = list(live), list(live) + [0]
+    for t in range(1, n):
+        before[t] = max(before[t - 1], live[t])
+    for t in range(n - 1, -1, -1):
+        after[t] = max(after[t + 1], live[t])
+    spans = []
+    for node in nodes:
+        if node.op == "placeholder" and node in last:
+            end = min(max(last[node], 0), n - 1)
+            spans.append((node.name, before[end], after[end + 1]))
+    return max(live, default=0), tuple(spans)
+
+
 def alive_at_peak(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,
                   inline: bool = False, donated: Iterable[str] = ()) -> Tuple[int, fx.Node, List[Tuple[int, object]]]:
     """(bytes at the peak of ``simulate``, the node it is reached at, [(bytes, storage) alive
@@ -599,12 +620,13 @@ def backward_inputs(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
 
 
 def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inline: bool = False,
-             forward_peak: Optional[int] = None) -> PeakEstimate:
-    """``forward_peak``: ``simulate(fw, inline=inline)[0]``, where the caller has it."""
+             forward_peak: Optional[int] = None, forward_inputs: Tuple[Tuple[str, int, int], ...] = ()
+             ) -> PeakEstimate:
+    """``forward_peak``, ``forward_inputs``: ``forward_simulation(fw, inline)``, where the caller has it."""
     counted, shared, held, saved, donated = backward_inputs(fw, bw, num_fwd_outputs)
     fw_peak = simulate(fw, inline=inline)[0] if forward_peak is None else forward_peak
     bw_peak, _ = simulate(bw, counted, shared, inline=inline, donated=donated)
-    return PeakEstimate(forward=fw_peak, backward=held + bw_peak, saved=saved, held=held)
+    return PeakEstimate(forward=fw_peak, backward=held + bw_peak, saved=saved, held=held, inputs=forward_inputs)
 
 
 class PeakInfeasible(RematError):
