@@ -1670,6 +1670,22 @@ def test_a_limit_the_graph_alone_misses_by_the_outputs_its_step_frees_is_met_fro
         step_of(under)()
 
 
+def _model_step(make_model, x, options, seed=None):
+    """(a model from ``make_model()`` under seed 0, a step of it on ``x``: compiled with the remat
+    backend under ``options``, or eager for None; dropout under ``seed``)."""
+    torch.manual_seed(0)
+    model = make_model()
+    run = model if options is None else torch.compile(model, backend="remat", options=options)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        if seed is not None:
+            torch.manual_seed(seed)
+        run(x).backward()
+
+    return model, step
+
+
 def test_memory_budget_keeps_the_whole_steps_peak_from_rising_where_saving_the_most_peaks_lowest():
     """8 Linear+GELU blocks, a graph break halfway: at this size recomputing makes temporaries, so the
     top of the grid (saving the most) plans the first graph's lowest peak. Budget 0.6's chain of
@@ -1702,15 +1718,7 @@ def test_memory_budget_keeps_the_whole_steps_peak_from_rising_where_saving_the_m
     x = torch.randn(16, 32, 64, generator=torch.Generator().manual_seed(1))
 
     def make_step(options):
-        torch.manual_seed(0)
-        model = Model()
-        run = model if options is None else torch.compile(model, backend="remat", options=options)
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            run(x).backward()
-
-        return model, step
+        return _model_step(Model, x, options)
 
     model, step = make_step(None)
     step()
@@ -1855,16 +1863,7 @@ def test_memory_budget_0_holds_the_step_under_budget_0_05s_step():
     x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(1))
 
     def make_step(options):
-        torch.manual_seed(0)
-        model = Model()
-        run = model if options is None else torch.compile(model, backend="remat", options=options)
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            torch.manual_seed(123)
-            run(x).backward()
-
-        return model, step
+        return _model_step(Model, x, options, seed=123)
 
     torch._dynamo.reset()
     model, step = make_step({"lower": "eager"})  # no budget: saves all, the forward's masks (docs/differences.md)
@@ -1891,14 +1890,54 @@ def test_memory_budget_0_holds_the_step_under_budget_0_05s_step():
     assert set(hold.taken.values()) == {0.0}, hold  # the least peak's plans
 
 
+class _BreakBeforeEachBlock(torch.nn.Module):
+    """An embedding, ``blocks`` with a graph break before each (Dynamo compiles a block as a graph of
+    its own and runs the embedding and the head eagerly), a head to ``vocab`` logits."""
+
+    def __init__(self, blocks, d, vocab=1000):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        x = self.emb(x)
+        for block in self.blocks:
+            torch._dynamo.graph_break()
+            x = block(x)
+        return self.head(x)
+
+
+def _cross_entropy(logits, y):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _lm_step(model, x, y, options):
+    """A step of ``model`` on tokens ``x``, its cross-entropy against ``y`` compiled apart, both with
+    the remat backend under ``options``."""
+    run = torch.compile(model, backend="remat", options=options)
+    loss = torch.compile(_cross_entropy, backend="remat", options=options)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss(run(x), y).backward()
+
+    return step
+
+
+def _tokens(batch, seq, vocab=1000):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
+
+
 def test_the_step_estimate_counts_the_inputs_eager_code_makes_between_the_graphs():
     """A graph break before each block: Dynamo compiles the block as a graph of its own and runs
     the embedding and the head eagerly, the loss compiled apart. The embedding's output (the first
     block's input) and the logits (the loss graph's input) are made by eager code in the step: no
     graph's estimate counted them, and the step's estimate missed the embedding's 128 KiB. Both are
     kept for the backward by the graph that reads them, and counted from its forward until then: the
-    estimate is the measured peak, at two budgets. (One that no graph keeps is not counted: its
-    graph frees it after its last use there; docs/step.md.)"""
+    estimate is the measured peak, at two budgets. (One that no graph keeps is counted up to its last
+    use in the forward that reads it: the next test.)"""
     import torch.nn.functional as F
 
     class Block(torch.nn.Module):
@@ -1911,40 +1950,14 @@ def test_the_step_estimate_counts_the_inputs_eager_code_makes_between_the_graphs
             q, k, v = self.qkv(self.ln(x)).chunk(3, -1)
             return x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = torch.nn.Embedding(1000, 64)
-            self.blocks = torch.nn.ModuleList(Block(64) for _ in range(4))
-            self.head = torch.nn.Linear(64, 1000, bias=False)
-
-        def forward(self, x):
-            x = self.emb(x)
-            for block in self.blocks:
-                torch._dynamo.graph_break()
-                x = block(x)
-            return self.head(x)
-
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randint(0, 1000, (4, 128), generator=g), torch.randint(0, 1000, (4, 128), generator=g)
-
-    def loss_of(logits, y):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
+    x, y = _tokens(4, 128)
     for budget in (None, 0.0):
         torch._dynamo.reset()
         STEP.reset()
         torch.manual_seed(0)
-        model = Model()
+        model = _BreakBeforeEachBlock([Block(64) for _ in range(4)], 64)
         options = {"lower": "eager"} if budget is None else {"lower": "eager", "memory_budget": budget}
-        run = torch.compile(model, backend="remat", options=options)
-        loss = torch.compile(loss_of, backend="remat", options=options)
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            loss(run(x), y).backward()
-
-        measured = _measure(step)
+        measured = _measure(_lm_step(model, x, y, options))
         report = remat.step_report()
         assert len(report.calls) == 5 and len(report.graphs) == 2, report  # 4 block calls, the loss
         logits = 4 * 128 * 1000 * 4
@@ -2023,7 +2036,6 @@ def test_the_step_estimate_counts_an_input_eager_code_makes_up_to_its_last_use_u
     kernel, writing the loss's own buffer while it reads them. Not counted, the step's estimate missed
     them (8 blocks: 40.63 MiB estimated for 56.27 measured); counted up to their last use in the
     forward (PeakEstimate.inputs), the estimate is the measured peak."""
-    import torch.nn.functional as F
 
     class Block(torch.nn.Module):
         def __init__(self, d):
@@ -2033,34 +2045,10 @@ def test_the_step_estimate_counts_an_input_eager_code_makes_up_to_its_last_use_u
         def forward(self, x):
             return x + self.down(torch.tanh(self.up(self.ln(x))))
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = torch.nn.Embedding(1000, 32)
-            self.blocks = torch.nn.ModuleList(Block(32) for _ in range(2))
-            self.head = torch.nn.Linear(32, 1000, bias=False)
-
-        def forward(self, x):
-            x = self.emb(x)
-            for block in self.blocks:
-                torch._dynamo.graph_break()
-                x = block(x)
-            return self.head(x)
-
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randint(0, 1000, (4, 64), generator=g), torch.randint(0, 1000, (4, 64), generator=g)
+    x, y = _tokens(4, 64)
     torch.manual_seed(0)
-    model = Model()
-    options = {"memory_budget": 0.2}  # the Inductor lowering
-    run = torch.compile(model, backend="remat", options=options)
-    loss = torch.compile(lambda logits, y: F.cross_entropy(logits.reshape(-1, 1000), y.reshape(-1)),
-                         backend="remat", options=options)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss(run(x), y).backward()
-
-    measured = _measure(step)
+    model = _BreakBeforeEachBlock([Block(32) for _ in range(2)], 32)
+    measured = _measure(_lm_step(model, x, y, {"memory_budget": 0.2}))  # the Inductor lowering
     report = remat.step_report()
     calls = STEP.io_of(STEP.last)
     logits = 4 * 64 * 1000 * 4
