@@ -1565,7 +1565,7 @@ def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
     Each graph's own envelope (passes/peak.py monotone_peak) compares the graph's own peak, but a
     plan with a lower peak of its own that saves more is held by the step under every later call,
     once per call of its graph (a block graph called 6 times: the measured step peak 6.09 MB at
-    0.9, 6.41 at 0.8; 2.99 at 0.5, 3.96 at 0.4).
+    0.9, 6.41 at 0.8; 3.01 at 0.5, 3.92 at 0.4).
 
     The same envelope on the step's estimate, over the shared budgets of ``LEVELS``: the budget's
     step (each graph's own plan) is held under the step with every graph at the nearest larger
