@@ -49,6 +49,7 @@ from remat_fx.passes.lower import lower
 from remat_fx.passes.peak import PeakInfeasible
 from remat_fx.passes.plan import Plan, last_plan
 from remat_fx.passes.plan import record as record_plan
+from remat_fx.passes.plan import unrecorded
 
 log = logging.getLogger("remat_fx")
 _SLOW_S = 2.0  # compiles longer than this are logged (logger "remat_fx", level INFO)
@@ -533,9 +534,9 @@ class CompiledGraph:
         if self.joint is None:  # loaded from AOTAutograd's cache: traced and partitioned again
             self.relower(self.active, aot=False)
         gm, joint_inputs, kwargs = self.joint
-        with _tracing(joint_inputs):
+        with _tracing(joint_inputs), unrecorded():  # not the compiled graph's plan: remat.last_plan() unchanged
             _partition.partition(gm, joint_inputs, options=options, **kwargs)
-        return last_plan()
+            return last_plan()
 
     @property
     def cost(self) -> CallCost:
@@ -1579,7 +1580,6 @@ def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
     again. One partition of each graph per budget checked, once per step (its signature); None where
     no graph has a budget to hold."""
     from remat_fx.options import monotone_extends, monotone_levels
-    from remat_fx.passes import plan as _plan
 
     t0 = time.perf_counter()
     opts = calls[0].options
@@ -1645,17 +1645,13 @@ def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
             return estimate, start, bound
         return best[0], best[2], bound
 
-    kept = list(_plan._PLANS)
-    try:
-        if 0.0 < f and f in LEVELS:  # its plans at the shared budget are its own
-            plans[f] = {g: own[g] for g in graphs}
-        estimate = step_of(own)
-        depth = monotone_levels(opts.monotone)
-        if f == 0.0 and depth is not None:
-            depth += 1  # budget 0's bound: budget 0.05's step as it holds it (passes/peak.py monotone_peak)
-        result, chosen, bound = envelope(f, dict(own), depth)
-    finally:
-        _plan._PLANS[:] = kept  # the estimates are not the compiled graphs' plans (remat.last_plan)
+    if 0.0 < f and f in LEVELS:  # its plans at the shared budget are its own
+        plans[f] = {g: own[g] for g in graphs}
+    estimate = step_of(own)
+    depth = monotone_levels(opts.monotone)
+    if f == 0.0 and depth is not None:
+        depth += 1  # budget 0's bound: budget 0.05's step as it holds it (passes/peak.py monotone_peak)
+    result, chosen, bound = envelope(f, dict(own), depth)
     levels = {x: p for x, p in raw.items() if x > f}
     changed = {g: origin[id(p)] for g, p in chosen.items() if g in own and not _same(p, own[g])}
     taken = {}

@@ -1809,6 +1809,7 @@ def test_memory_budget_holds_a_step_that_calls_one_graph_per_block_under_the_lar
         for plan in report.graphs.values():
             assert plan.total_bytes <= plan.budget.target, (budget, str(plan.budget))
         got[budget] = (peak, report.peak.peak, report.held, str(report), list(report.graphs.values()))
+        assert any(remat.last_plan() is g.plan for g in STEP.last)  # a compiled graph's, not an estimate's
         assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(_grads(model), expected)), budget
     for high, low in ((0.9, 0.8), (0.5, 0.4)):
         assert got[low][0] <= max(got[high][0] * 1.01, got[high][0] + 65536), (high, low, got)

@@ -498,12 +498,9 @@ def forward_simulation(gm: fx.GraphModule, inline: bool = False) -> Tuple[int, T
         before[t] = max(before[t - 1], live[t])
     for t in range(n - 1, -1, -1):
         after[t] = max(after[t + 1], live[t])
-    spans = []
-    for node in nodes:
-        if node.op == "placeholder" and node in last:
-            end = min(max(last[node], 0), n - 1)
-            spans.append((node.name, before[end], after[end + 1]))
-    return max(live, default=0), tuple(spans)
+    spans = tuple((node.name, before[min(last[node], n - 1)], after[min(last[node], n - 1) + 1])
+                  for node in nodes if node.op == "placeholder")
+    return max(live), spans
 
 
 def alive_at_peak(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,

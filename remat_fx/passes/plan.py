@@ -295,6 +295,17 @@ def record(plan: Plan) -> None:
     del _PLANS[:-16]
 
 
+@contextlib.contextmanager
+def unrecorded():
+    """Plans recorded inside (estimates of a graph under other options, no lowering) are not kept:
+    ``last_plan()`` stays the plan of the graph compiled last."""
+    kept = list(_PLANS)
+    try:
+        yield
+    finally:
+        _PLANS[:] = kept
+
+
 def _source(node: fx.Node) -> Optional[str]:
     trace = node.meta.get("stack_trace")
     if not trace:
