@@ -253,3 +253,42 @@ def _portable(plan):
         plan.rerun = copy.copy(plan.rerun)
         plan.rerun._steps = None
     return plan
+
+
+# A step's own plan (remat_fx/step.py): what a step of several calls was planned as a whole to
+# (plan_step: the shared memory budget of a whole-step limit or a fraction peak_budget; hold_step:
+# the larger budgets' plans a fraction memory_budget's graphs took to hold the step's estimate).
+# The next process compiles each graph of the step straight with what the step gave it, its first
+# step included, and takes the step's decision without estimating it again. One small JSON file
+# per graph, keyed by the graph (its Dynamo graph and inputs), the options, the global state it runs
+# under, the resolved byte limit of peak_budget="auto", torch's and remat_fx's code; each holds the
+# whole step's record (its calls, by graph key, and what each graph took).
+
+
+def step_record(graph_key: str, options, global_state, limit: Optional[int]) -> pathlib.Path:
+    """Where the step record of a Dynamo graph compiled with ``options`` lives."""
+    text = repr((graph_key, options.key(), global_state, limit, torch.__version__, source_digest()))
+    return cache_root() / "plans" / f"step-{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
+
+
+_STEP_FIELDS = {"kind", "calls", "choice", "plans", "notes", "step"}
+
+
+def save_step(paths: List[pathlib.Path], record: dict) -> None:
+    """Writes a step's record under each of its graphs' ``paths``."""
+    data = json.dumps(dict(record, torch=torch.__version__)).encode()
+    for path in paths:
+        try:
+            write_atomic(path, data)
+        except OSError as e:  # the next process plans its step again
+            unwritable(path, e)
+            return
+
+
+def load_step(path: pathlib.Path) -> Optional[dict]:
+    """A step record, or None (missing, unreadable, or not one this code wrote)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and _STEP_FIELDS <= record.keys() else None

@@ -380,6 +380,7 @@ class CompiledGraph:
         self.over = False  # planned with less than the step's limit left for it
         self.first_compile = True  # compiled on its frame's first compile (not a recompile on new shapes)
         self.cached = None  # the remat.fit call (its scope) whose cache gave the plan it was compiled with
+        self.step_record: Optional[dict] = None  # the plan cache's record of its step it was compiled from
         self.seconds = 0.0  # compile time
         self.version = 0  # compiles so far (a whole-step plan or remat.fit may lower it again)
         self.steps = 0  # steps that called it (their backward began) since it was last compiled
@@ -1206,6 +1207,16 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
                       f"the steps that call it. Keep batch and sequence sizes fixed (pad, or drop a short last batch: "
                       f"DataLoader(drop_last=True)), or call remat.fit again on a step of the new sizes.",
                       stacklevel=3)
+    recorded = _step_cached(graph, options)
+    if recorded is not None:
+        # as the earlier process lowered it for its step (relower), from the copy of Dynamo's graph and
+        # fake inputs: AOTAutograd's cache keys those apart from Dynamo's own graph module (its other
+        # attributes) and the real inputs Dynamo passes (dynamic_shapes)
+        graph.gm = _copy_dynamo_graph(graph.pristine)
+        graph.example_inputs = graph._fakes(graph.example_inputs)
+        graph.compile(recorded)
+        _step_notes(graph)
+        return graph
     per_graph, shrunk = graph_options(options)
     if not shrunk:
         try:
@@ -1289,6 +1300,93 @@ def _signature(calls: Sequence[CompiledGraph]) -> tuple:
     return tuple(g.index for g in calls)
 
 
+# -- a step's own plan in the plan cache (remat_fx/plan_cache.py step_record) ----------------------
+# the notes hold_step writes on a plan it takes, which its graph's own record (written when it was
+# lowered) may lack: set again on the plan a later process compiles from the step's record
+_HELD_NOTES = plan_cache.REPORT_NOTES + ("step_held",)
+
+
+def _plans_steps(options: BackendOptions) -> bool:
+    """Whether a step of graphs compiled with ``options`` may be planned as a whole once it has run
+    (_after_step): a whole-step limit, a fraction peak_budget, or a fraction memory_budget with its
+    envelope (hold_step)."""
+    budget = options.memory_budget
+    return options.step_peak is not None or (budget is not None and budget.nbytes is not None) or \
+        (budget is not None and budget.fraction is not None and options.peak_slack > 0)
+
+
+def _step_record_path(graph: CompiledGraph, options: BackendOptions):
+    """Where the plan cache keeps the record of ``graph``'s step, or None where it keeps none (the
+    cache off, remat.fit searching, no step plan for these options)."""
+    from remat_fx import measured_fit as _fit
+
+    if not _plans_steps(options) or not plan_cache.enabled(options) or _fit.searching():
+        return None
+    limit = step_limit(options) if options.step_peak == "auto" else None  # the others: in the options
+    return plan_cache.step_record(graph.key, options, graph.global_state, limit)
+
+
+def _step_cached(graph: CompiledGraph, options: BackendOptions) -> Optional[BackendOptions]:
+    """The options ``graph``'s step gave it when an earlier process planned that step as a whole
+    (the plan cache's step record), where they are not ``options`` themselves; else None. A graph
+    found in a record keeps it (``step_record``): the step takes the record's decision once it has
+    run, if it is the step recorded (_recorded)."""
+    path = _step_record_path(graph, options)
+    record = plan_cache.load_step(path) if path is not None else None
+    if record is None or graph.key not in record["choice"]:
+        return None
+    graph.step_record = record
+    choice = record["choice"][graph.key]
+    if choice == "own":
+        return None
+    log.info("remat_fx: graph %d is compiled as its step was planned in an earlier process (shared memory_budget "
+             "%s, read from the plan cache)", graph.index, _shared(choice))
+    return shared_options(options, choice)
+
+
+def _step_notes(graph: CompiledGraph) -> None:
+    """The notes a step's hold wrote on the plan ``graph`` took (its report as the user's budget)."""
+    notes = graph.step_record["notes"].get(graph.key) if graph.step_record is not None else None
+    if notes and graph.plan is not None and graph.plan.budget is not None:
+        for k, v in notes.items():
+            if k in _HELD_NOTES:
+                setattr(graph.plan.budget, k, v)
+
+
+def _keep_step(calls: Sequence[CompiledGraph], kind: str, choice: Dict[CompiledGraph, object], step: dict) -> None:
+    """Writes the step's decision (``choice``: graph -> the shared budget it was lowered with, or "own")
+    to the plan cache, under each of its graphs, for the next process."""
+    graphs = list(dict.fromkeys(calls))
+    paths = [_step_record_path(g, g.options) for g in graphs]
+    if any(p is None for p in paths) or any(g.plan is None for g in graphs):
+        return
+    by_key: Dict[str, object] = {}
+    for g in graphs:
+        if by_key.setdefault(g.key, choice[g]) != choice[g]:
+            return  # two graphs of the same code and inputs planned apart: the record could not tell them apart
+    notes = {g.key: {k: getattr(g.plan.budget, k) for k in _HELD_NOTES}
+             for g in graphs if kind == "hold" and choice[g] != "own" and g.plan.budget is not None}
+    plan_cache.save_step(paths, {"kind": kind, "calls": [g.key for g in calls], "choice": by_key,
+                                 "plans": {g.key: g.plan.total_bytes for g in graphs}, "notes": notes,
+                                 "step": step})
+
+
+def _recorded(calls: Sequence[CompiledGraph]) -> Optional[dict]:
+    """The plan cache's record of this step, where every graph of it was compiled from one record
+    of these very calls and has the plan the record has (saved bytes); else None (planned here)."""
+    graphs = list(dict.fromkeys(calls))
+    record = graphs[0].step_record
+    if record is None or any(g.step_record != record for g in graphs[1:]) or \
+            record["calls"] != [g.key for g in calls]:
+        return None
+    differs = [g.index for g in graphs if g.plan is None or record["plans"].get(g.key) != g.plan.total_bytes]
+    if differs:
+        log.info("remat_fx: the plan cache's record of this step does not give graph(s) %s the plans it recorded "
+                 "(another machine or cost model): the step is planned again", ", ".join(map(str, differs)))
+        return None
+    return record
+
+
 def step_limit_given(options: BackendOptions) -> Optional[str]:
     """Which byte limit a step of ``options`` has: 'peak_budget' (a size or "auto"), 'memory_budget'
     (a size), or None (none, or fractions only)."""
@@ -1358,6 +1456,10 @@ def _after_step(calls: List[CompiledGraph]) -> None:
         # wherever the step has several calls
         if budget is not None and budget.fraction is not None and opts.peak_slack > 0 and \
                 (len(set(calls)) < len(calls) or opts.monotone == "grid"):
+            record = _recorded(calls)
+            if record is not None and record["kind"] == "hold":
+                _held(_hold_of(record, calls))  # an earlier process held this step: its graphs were compiled so
+                return
             try:
                 hold_step(calls)
             except KeyboardInterrupt:
@@ -1386,6 +1488,20 @@ def _after_step(calls: List[CompiledGraph]) -> None:
 
 def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limit: Optional[int]) -> None:
     limit = step_limit(opts)
+    record = _recorded(calls)
+    if record is not None and record["kind"] == "plan":
+        # an earlier process planned this step as a whole, and its graphs were compiled so: a byte limit
+        # is checked on this step's estimate (planned again if over it), a fraction taken as it was resolved
+        result = _step_plan_of(record)
+        fits = limit is None or step_peak(step_costs(calls, STEP.io_of(calls)), *_released(calls),
+                                          _sharding(calls)).peak <= limit
+        if fits and (saved_limit is None or sum(g.plan.total_bytes for g in calls) <= saved_limit):
+            STEP.planned[_signature(calls)] = result.fraction
+            STEP.step_plan = result
+            log.info("remat_fx: step planned as a whole in an earlier process (read from the plan cache): shared "
+                     "memory_budget %s, estimated peak %s, saved %s", _shared(result.fraction),
+                     fmt_bytes(result.estimate), fmt_bytes(result.saved))
+            return
     if limit is None and opts.step_peak is not None:
         plan_step(calls, fraction=opts.step_peak.fraction, saved_limit=saved_limit)
         return
@@ -1420,6 +1536,13 @@ class StepPlan:
     limit: Optional[int]
     tried: Dict[Optional[float], Tuple[int, int]] = field(default_factory=dict)  # fraction -> (peak, saved)
     seconds: float = 0.0
+    from_cache: bool = False  # planned in an earlier process: its plan cache's step record
+
+
+def _step_plan_of(record: dict) -> StepPlan:
+    step = record["step"]
+    return StepPlan(step["fraction"], step["estimate"], step["saved"], step["limit"],
+                    {f: (peak, saved) for f, peak, saved in step["tried"]}, 0.0, from_cache=True)
 
 
 def shared_options(options: BackendOptions, fraction: Optional[float]) -> BackendOptions:
@@ -1523,6 +1646,9 @@ def plan_step(calls: List[CompiledGraph], limit: Optional[int] = None, fraction:
     result = StepPlan(chosen, curve[chosen][0], curve[chosen][1], limit, curve, time.perf_counter() - t0)
     STEP.planned[_signature(calls)] = chosen
     STEP.step_plan = result
+    _keep_step(calls, "plan", {g: chosen for g in calls},
+               {"fraction": chosen, "estimate": result.estimate, "saved": result.saved, "limit": limit,
+                "tried": [[f, peak, saved] for f, (peak, saved) in curve.items()]})
     log.info("remat_fx: step planned as a whole (%s): shared memory_budget %s, estimated peak %s, saved %s (%.1f s)",
              what, "-" if chosen is None else f"{chosen:g}", fmt_bytes(result.estimate), fmt_bytes(result.saved),
              result.seconds)
@@ -1545,8 +1671,13 @@ class StepHold:
     held: int  # the step's estimated peak after (estimate where nothing was taken)
     seconds: float = 0.0
     calls: Tuple[int, ...] = ()  # the step's calls (graph indices): the step it was held for
+    from_cache: bool = False  # held in an earlier process: its plan cache's step record
 
     def __str__(self) -> str:
+        text = self._text()
+        return text + " (held in an earlier process: read from the plan cache)" if self.from_cache else text
+
+    def _text(self) -> str:
         if not self.levels:
             return f"memory_budget {self.budget:g}: no larger budget to hold the step's estimate under; kept"
         levels = ", ".join(f"{f:g}: {fmt_bytes(p)}" for f, p in sorted(self.levels.items(), reverse=True))
@@ -1674,8 +1805,20 @@ def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
                                 f"larger budgets': {fmt_bytes(bound)})")
     if len(taken) < len(changed):
         result = step_of({g: g.plan for g in graphs})  # what the step runs now
-    return _held(StepHold(f, estimate, estimate if bound is None else bound, levels, taken, result,
-                          time.perf_counter() - t0, _signature(calls)))
+    held_step = StepHold(f, estimate, estimate if bound is None else bound, levels, taken, result,
+                         time.perf_counter() - t0, _signature(calls))
+    _keep_step(calls, "hold", {g: taken.get(g.index, "own") for g in calls},
+               {"budget": f, "estimate": held_step.estimate, "bound": held_step.bound,
+                "levels": [[x, p] for x, p in levels.items()], "held": result})
+    return _held(held_step)
+
+
+def _hold_of(record: dict, calls: Sequence[CompiledGraph]) -> StepHold:
+    """The StepHold an earlier process's hold_step made of this step (its record in the plan cache)."""
+    step = record["step"]
+    taken = {g.index: record["choice"][g.key] for g in dict.fromkeys(calls) if record["choice"][g.key] != "own"}
+    return StepHold(step["budget"], step["estimate"], step["bound"], {x: p for x, p in step["levels"]}, taken,
+                    step["held"], 0.0, _signature(calls), from_cache=True)
 
 
 def _same(a: Plan, b: Plan) -> bool:

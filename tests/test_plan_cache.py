@@ -4,6 +4,7 @@ activations, estimated peak and report, and the same gradients."""
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -229,6 +230,8 @@ estimates = [g.estimate(g.active).total_bytes for g in graphs]  # after a hit: t
 assert all(g.joint is not None for g in graphs)
 print(json.dumps({"aot_hits": hits, "from_cache": from_cache, "partitions": partitions,
                   "shared": STEP.step_plan and STEP.step_plan.fraction, "estimate": estimates,
+                  "step_from_cache": STEP.step_plan and STEP.step_plan.from_cache,
+                  "options": [g.active.key() for g in graphs],
                   "saved": [[(s.name, s.bytes) for s in g.plan.saved] for g in graphs],
                   "peak": [g.plan.peak.step for g in graphs], "step": step, "plan": plans,
                   "lowered": [repr(g.plan.lowered) for g in graphs]}))
@@ -243,36 +246,131 @@ def _aot_runner(tmp_path, options):
         out = subprocess.run([sys.executable, "-c", AOT_STEP, json.dumps(options)], capture_output=True, text=True,
                              timeout=600, env=env, cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return dict(json.loads(out.stdout.strip().splitlines()[-1]), log=out.stderr)
 
     return run
 
 
 @pytest.mark.slow
 def test_a_second_process_loads_the_graphs_from_aotautograds_cache_with_their_plan(tmp_path):
-    """Inductor: the second process's AOTAutograd cache hits skip the joint graphs' tracing and
-    partition, for the graphs compiled under a byte memory_budget (the second graph's is what the
-    first left) and for the step planned again as a whole; the plans, the step view and the
-    gradients are the first process's."""
+    """Inductor: the second process compiles each graph as the first planned its step (the step's
+    record in the plan cache), from AOTAutograd's cache, at its first call: no tracing, partition or
+    step plan, and the first step is within the limit the first process's first step went over; the
+    plans, the step view and the gradients are the first process's."""
     # half the step's saved bytes without a budget: each graph planned alone saves too much, so the
     # step is planned again as a whole with one shared fraction (graphs compiled under byte budgets, then that)
     run = _aot_runner(tmp_path, {"memory_budget": 593920})
     first = run()
     assert first["aot_hits"] == 0
-    assert first["shared"] is not None  # the step was planned as a whole: each graph lowered again
-    # with the plans its estimates searched for (the plan cache, in this process)
+    assert first["shared"] is not None and not first["step_from_cache"]  # the step was planned as a whole: each
+    # graph lowered again with the plans its estimates searched for (the plan cache, in this process)
     assert first["from_cache"] == [True, True] and first["partitions"] == [1, 1]
-    records = sorted((tmp_path / "remat" / "plans").glob("graph-*.pkl"))
+    folder = tmp_path / "remat" / "plans"
+    records = sorted(folder.glob("graph-*.pkl"))
     assert len(records) == 4  # two graphs, under their byte budgets and under the shared fraction
+    assert len(list(folder.glob("step-*.json"))) == 2  # the step's record, under each of its graphs
     second = run()
-    assert second["aot_hits"] == 4 and second["from_cache"] == [True, True]
-    assert second["partitions"] == [0, 0]  # no partition ran
-    for k in ("shared", "saved", "peak", "step", "plan", "estimate"):
+    # the two graphs at the shared fraction, at their first call: not under the byte budgets first
+    assert second["aot_hits"] == 2 and second["from_cache"] == [True, True]
+    assert second["partitions"] == [0, 0] and second["step_from_cache"]  # no partition ran, no step plan
+    assert "went over its memory_budget" not in second["log"] and "went over its memory_budget" in first["log"]
+    for k in ("shared", "saved", "peak", "step", "plan", "estimate", "options"):
         assert second[k] == first[k], k
-    records[0].write_bytes(b"not a record")  # a hit without its plan: compiled again without AOTAutograd's cache
+    for record in records:  # a hit without its plan: compiled again without AOTAutograd's cache
+        record.write_bytes(b"not a record")
     third = run()
-    assert third["aot_hits"] == 4 and third["peak"] == first["peak"] and third["saved"] == first["saved"]
-    assert plan_cache.load_record(records[0]) is not None  # written again
+    assert third["aot_hits"] == 2 and third["peak"] == first["peak"] and third["saved"] == first["saved"]
+    assert sum(plan_cache.load_record(r) is not None for r in records) == 2  # the two it used, written again
+
+
+HOLD_STEP = r"""
+import json, sys, torch
+import torch.nn.functional as F
+import remat_fx as remat
+from remat_fx import step as step_mod
+from remat_fx.step import STEP
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, -1)
+        x = x + self.o(torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v)
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 32)
+        self.blocks = torch.nn.ModuleList(Block(32) for _ in range(6))
+        self.head = torch.nn.Linear(32, 128, bias=False)
+
+    def forward(self, x):
+        x = self.emb(x)
+        for i, block in enumerate(self.blocks):
+            if i == 3:
+                torch._dynamo.graph_break()
+            x = block(x)
+        return self.head(x)
+
+def loss_of(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+g = torch.Generator().manual_seed(1)
+x, y = torch.randint(0, 128, (8, 64), generator=g), torch.randint(0, 128, (8, 64), generator=g)
+torch.manual_seed(0)
+model = Model()
+loss_of(model(x), y).backward()
+want = [p.grad.clone() for p in model.parameters()]
+searched = []
+hold = step_mod.hold_step
+step_mod.hold_step = lambda calls: searched.append(len(calls)) or hold(calls)
+options = json.loads(sys.argv[1])
+run = torch.compile(model, backend="remat", options=options)
+loss = torch.compile(loss_of, backend="remat", options=options)
+for _ in range(3):
+    model.zero_grad(set_to_none=True)
+    loss(run(x), y).backward()
+for p, w in zip(model.parameters(), want):
+    torch.testing.assert_close(p.grad, w, rtol=1e-5, atol=1e-6)
+report = remat.step_report()
+graphs = sorted(set(STEP.last), key=lambda g: g.index)
+print(json.dumps({"searched": searched, "held": str(report.held), "taken": sorted(report.held.taken.values()),
+                  "estimate": report.peak.peak, "from_cache": report.held.from_cache,
+                  "saved": [[(s.name, s.bytes) for s in g.plan.saved] for g in graphs],
+                  "peak": [g.plan.peak.step for g in graphs], "budget": [str(g.plan.budget) for g in graphs],
+                  "options": [g.active.memory_budget.fraction for g in graphs]}))
+"""
+
+
+def test_a_second_process_holds_the_step_as_the_first_did_without_searching(tmp_path):
+    """A fraction memory_budget's step held on its whole-step estimate (remat_fx/step.py hold_step: a
+    block graph called 6 times a step, the loss apart) is in the plan cache too: the second process
+    compiles each graph with the plan its step took, at its first call, and takes the hold as it
+    was, without its search: the same plans, reports and step estimate, the same gradients."""
+    env = dict(os.environ, REMAT_FX_PLAN_CACHE="1", REMAT_FX_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", HOLD_STEP, json.dumps({"lower": "eager", "memory_budget": 0.8})],
+                             capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        got["budget"] = [re.sub(r"solver, [0-9.]+ ms", "solver", b) for b in got["budget"]]  # its own solve time
+        return got
+
+    first = run()
+    assert first["searched"] == [7] and not first["from_cache"] and first["taken"]  # held: a plan taken
+    assert first["options"] == [0.9, 0.9]  # budget 0.9's plans, lowered again
+    second = run()
+    assert second["searched"] == [] and second["from_cache"]  # the hold read, not searched
+    assert second["held"] == first["held"] + " (held in an earlier process: read from the plan cache)"
+    for k in ("taken", "estimate", "saved", "peak", "budget", "options"):
+        assert second[k] == first[k], k
+    assert all("in its step, budget 0.9's plan, which saves within this budget" in b for b in second["budget"])
 
 
 def test_a_cache_folder_that_cannot_be_written_is_said_once_and_a_tilde_is_the_home(tmp_path, monkeypatch):
