@@ -291,4 +291,7 @@ def load_step(path: pathlib.Path) -> Optional[dict]:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and _STEP_FIELDS <= record.keys() else None
+    if not (isinstance(record, dict) and _STEP_FIELDS <= record.keys() and isinstance(record["calls"], list)
+            and all(isinstance(record[k], dict) for k in ("choice", "plans", "notes", "step"))):
+        return None
+    return record

@@ -381,6 +381,7 @@ class CompiledGraph:
         self.first_compile = True  # compiled on its frame's first compile (not a recompile on new shapes)
         self.cached = None  # the remat.fit call (its scope) whose cache gave the plan it was compiled with
         self.step_record: Optional[dict] = None  # the plan cache's record of its step it was compiled from
+        self.auto_read: Optional[int] = None  # peak_budget="auto" as its compile read it (its step record's key)
         self.seconds = 0.0  # compile time
         self.version = 0  # compiles so far (a whole-step plan or remat.fit may lower it again)
         self.steps = 0  # steps that called it (their backward began) since it was last compiled
@@ -1208,12 +1209,14 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
                       f"DataLoader(drop_last=True)), or call remat.fit again on a step of the new sizes.",
                       stacklevel=3)
     recorded = _step_cached(graph, options)
-    if recorded is not None:
+    fakes = graph._fakes(graph.example_inputs) if recorded is not None else None
+    if recorded is not None and not (graph.dynamic and not any(_symbolic(x) for x in fakes)):
         # as the earlier process lowered it for its step (relower), from the copy of Dynamo's graph and
         # fake inputs: AOTAutograd's cache keys those apart from Dynamo's own graph module (its other
-        # attributes) and the real inputs Dynamo passes (dynamic_shapes)
+        # attributes) and the real inputs Dynamo passes (dynamic_shapes). (A graph of dynamic shapes
+        # without Dynamo's symbolic inputs is compiled as at its first call, as relower keeps it.)
         graph.gm = _copy_dynamo_graph(graph.pristine)
-        graph.example_inputs = graph._fakes(graph.example_inputs)
+        graph.example_inputs = fakes
         graph.compile(recorded)
         _step_notes(graph)
         return graph
@@ -1317,12 +1320,19 @@ def _plans_steps(options: BackendOptions) -> bool:
 
 def _step_record_path(graph: CompiledGraph, options: BackendOptions):
     """Where the plan cache keeps the record of ``graph``'s step, or None where it keeps none (the
-    cache off, remat.fit searching, no step plan for these options)."""
+    cache off, remat.fit searching, no step plan for these options). peak_budget="auto" is keyed by
+    the limit as the graph's compile read it (the step's plan reads it again after the optimizer's
+    first step, which a later process's first compile does not see; its record is checked against
+    the limit of the step it runs in)."""
     from remat_fx import measured_fit as _fit
 
     if not _plans_steps(options) or not plan_cache.enabled(options) or _fit.searching():
         return None
-    limit = step_limit(options) if options.step_peak == "auto" else None  # the others: in the options
+    limit = None  # the others: in the options
+    if options.step_peak == "auto":
+        if graph.auto_read is None:
+            graph.auto_read = step_limit(options)
+        limit = graph.auto_read
     return plan_cache.step_record(graph.key, options, graph.global_state, limit)
 
 
@@ -1337,7 +1347,7 @@ def _step_cached(graph: CompiledGraph, options: BackendOptions) -> Optional[Back
         return None
     graph.step_record = record
     choice = record["choice"][graph.key]
-    if choice == "own":
+    if choice == "own" or not (choice is None or isinstance(choice, float)):
         return None
     log.info("remat_fx: graph %d is compiled as its step was planned in an earlier process (shared memory_budget "
              "%s, read from the plan cache)", graph.index, _shared(choice))
@@ -1354,12 +1364,15 @@ def _step_notes(graph: CompiledGraph) -> None:
 
 
 def _keep_step(calls: Sequence[CompiledGraph], kind: str, choice: Dict[CompiledGraph, object], step: dict) -> None:
-    """Writes the step's decision (``choice``: graph -> the shared budget it was lowered with, or "own")
-    to the plan cache, under each of its graphs, for the next process."""
+    """Writes the step's decision (``choice``: graph -> the shared budget it was lowered with, or "own":
+    as at its first call) to the plan cache, under each of its graphs, for the next process. A graph
+    that kept the lowering it had (relower refused: dynamic shapes) is recorded as it is ("own")."""
     graphs = list(dict.fromkeys(calls))
     paths = [_step_record_path(g, g.options) for g in graphs]
-    if any(p is None for p in paths) or any(g.plan is None for g in graphs):
+    if any(p is None for p in paths) or any(g.plan is None or g.active is None for g in graphs):
         return
+    choice = {g: c if c == "own" or g.active.key() == shared_options(g.options, c).key() else "own"
+              for g, c in choice.items()}
     by_key: Dict[str, object] = {}
     for g in graphs:
         if by_key.setdefault(g.key, choice[g]) != choice[g]:
@@ -1371,12 +1384,13 @@ def _keep_step(calls: Sequence[CompiledGraph], kind: str, choice: Dict[CompiledG
                                  "step": step})
 
 
-def _recorded(calls: Sequence[CompiledGraph]) -> Optional[dict]:
-    """The plan cache's record of this step, where every graph of it was compiled from one record
-    of these very calls and has the plan the record has (saved bytes); else None (planned here)."""
+def _recorded(calls: Sequence[CompiledGraph], kind: str):
+    """What the plan cache's record of this step decided (a StepPlan for ``kind`` "plan", a StepHold
+    for "hold"), where every graph of it was compiled from one record of that kind of these very
+    calls and has the plan the record has (saved bytes); else None (planned here)."""
     graphs = list(dict.fromkeys(calls))
     record = graphs[0].step_record
-    if record is None or any(g.step_record != record for g in graphs[1:]) or \
+    if record is None or record["kind"] != kind or any(g.step_record != record for g in graphs[1:]) or \
             record["calls"] != [g.key for g in calls]:
         return None
     differs = [g.index for g in graphs if g.plan is None or record["plans"].get(g.key) != g.plan.total_bytes]
@@ -1384,7 +1398,11 @@ def _recorded(calls: Sequence[CompiledGraph]) -> Optional[dict]:
         log.info("remat_fx: the plan cache's record of this step does not give graph(s) %s the plans it recorded "
                  "(another machine or cost model): the step is planned again", ", ".join(map(str, differs)))
         return None
-    return record
+    try:
+        return _step_plan_of(record) if kind == "plan" else _hold_of(record, calls)
+    except (KeyError, TypeError, ValueError, AttributeError):  # a record this code did not write
+        log.info("remat_fx: the plan cache's record of this step is unreadable: the step is planned again")
+        return None
 
 
 def step_limit_given(options: BackendOptions) -> Optional[str]:
@@ -1415,7 +1433,10 @@ def _after_step(calls: List[CompiledGraph]) -> None:
     resolve on the whole step's range (its first graphs were planned before the later ones were
     known); a step of one call where its graph was lowered at its least peak at its first call for a
     byte limit it missed alone (``_fits_once_released``): planned now, on the step's record."""
-    if (len(calls) < 2 and not any(g.over for g in calls)) or any(g.plan is None for g in calls):
+    # a step of one call compiled from a step record of a plan: through the ranks' exchange as where it
+    # was planned (the graph over its limit then), so that every rank makes the same exchanges
+    if (len(calls) < 2 and not any(g.over or (g.step_record or {}).get("kind") == "plan" for g in calls)) or \
+            any(g.plan is None for g in calls):
         return
     sig = _signature(calls)
     if sig in STEP.planned:
@@ -1456,9 +1477,9 @@ def _after_step(calls: List[CompiledGraph]) -> None:
         # wherever the step has several calls
         if budget is not None and budget.fraction is not None and opts.peak_slack > 0 and \
                 (len(set(calls)) < len(calls) or opts.monotone == "grid"):
-            record = _recorded(calls)
-            if record is not None and record["kind"] == "hold":
-                _held(_hold_of(record, calls))  # an earlier process held this step: its graphs were compiled so
+            recorded = _recorded(calls, "hold")
+            if recorded is not None:
+                _held(recorded)  # held when this step was first planned: its graphs were compiled so
                 return
             try:
                 hold_step(calls)
@@ -1477,34 +1498,40 @@ def _after_step(calls: List[CompiledGraph]) -> None:
 
     # every rank of a process group, planning or not: one that finds no plan fails them all
     try:
-        plan_on_every_rank(lambda: _plan_if_needed(calls, opts, saved_limit), all(g.first_compile for g in calls))
+        planned = plan_on_every_rank(lambda: _plan_if_needed(calls, opts, saved_limit),
+                                     all(g.first_compile for g in calls))
     except (PeakInfeasible, BudgetInfeasible) as e:
         STEP.planned[sig] = type(e)(*e.args)  # no plan for this step: said at each step of it, not searched again
         raise
     except BaseException:
         STEP.planned.pop(sig, None)  # interrupted (Ctrl-C, an error lowering again): planned at the next step
         raise
+    if isinstance(planned, StepPlan) and not planned.from_cache:
+        # kept for the next process once every rank has planned its step (a rank that failed fails them all)
+        _keep_step(calls, "plan", {g: planned.fraction for g in calls},
+                   {"fraction": planned.fraction, "estimate": planned.estimate, "saved": planned.saved,
+                    "limit": planned.limit, "tried": [[f, peak, saved] for f, (peak, saved) in planned.tried.items()]})
 
 
-def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limit: Optional[int]) -> None:
+def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limit: Optional[int]
+                    ) -> Optional[StepPlan]:
+    """The step planned as a whole where it needs it (its StepPlan), else None."""
     limit = step_limit(opts)
-    record = _recorded(calls)
-    if record is not None and record["kind"] == "plan":
-        # an earlier process planned this step as a whole, and its graphs were compiled so: a byte limit
-        # is checked on this step's estimate (planned again if over it), a fraction taken as it was resolved
-        result = _step_plan_of(record)
+    recorded = _recorded(calls, "plan")
+    if recorded is not None:
+        # planned so when this step was first planned, and its graphs were compiled so: a byte limit is
+        # checked on this step's estimate (planned again if over it), a fraction taken as it was resolved
         fits = limit is None or step_peak(step_costs(calls, STEP.io_of(calls)), *_released(calls),
                                           _sharding(calls)).peak <= limit
         if fits and (saved_limit is None or sum(g.plan.total_bytes for g in calls) <= saved_limit):
-            STEP.planned[_signature(calls)] = result.fraction
-            STEP.step_plan = result
-            log.info("remat_fx: step planned as a whole in an earlier process (read from the plan cache): shared "
-                     "memory_budget %s, estimated peak %s, saved %s", _shared(result.fraction),
-                     fmt_bytes(result.estimate), fmt_bytes(result.saved))
-            return
+            STEP.planned[_signature(calls)] = recorded.fraction
+            STEP.step_plan = recorded
+            log.info("remat_fx: step planned as a whole as its record in the plan cache says: shared memory_budget "
+                     "%s, estimated peak %s, saved %s", _shared(recorded.fraction), fmt_bytes(recorded.estimate),
+                     fmt_bytes(recorded.saved))
+            return recorded
     if limit is None and opts.step_peak is not None:
-        plan_step(calls, fraction=opts.step_peak.fraction, saved_limit=saved_limit)
-        return
+        return plan_step(calls, fraction=opts.step_peak.fraction, saved_limit=saved_limit)
     estimated = step_peak(step_costs(calls, STEP.io_of(calls)), *_released(calls),
                           _sharding(calls)).peak
     saved = sum(g.plan.total_bytes for g in calls)
@@ -1523,7 +1550,8 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
                                              and f"memory_budget {fmt_bytes(saved_limit)}") if w),
                     fmt_bytes(estimated), fmt_bytes(saved))
     if exceeded or any(g.over for g in calls):
-        plan_step(calls, limit=limit, saved_limit=saved_limit)
+        return plan_step(calls, limit=limit, saved_limit=saved_limit)
+    return None
 
 
 @dataclass
@@ -1536,7 +1564,7 @@ class StepPlan:
     limit: Optional[int]
     tried: Dict[Optional[float], Tuple[int, int]] = field(default_factory=dict)  # fraction -> (peak, saved)
     seconds: float = 0.0
-    from_cache: bool = False  # planned in an earlier process: its plan cache's step record
+    from_cache: bool = False  # read from the plan cache's step record, not searched
 
 
 def _step_plan_of(record: dict) -> StepPlan:
@@ -1646,9 +1674,6 @@ def plan_step(calls: List[CompiledGraph], limit: Optional[int] = None, fraction:
     result = StepPlan(chosen, curve[chosen][0], curve[chosen][1], limit, curve, time.perf_counter() - t0)
     STEP.planned[_signature(calls)] = chosen
     STEP.step_plan = result
-    _keep_step(calls, "plan", {g: chosen for g in calls},
-               {"fraction": chosen, "estimate": result.estimate, "saved": result.saved, "limit": limit,
-                "tried": [[f, peak, saved] for f, (peak, saved) in curve.items()]})
     log.info("remat_fx: step planned as a whole (%s): shared memory_budget %s, estimated peak %s, saved %s (%.1f s)",
              what, "-" if chosen is None else f"{chosen:g}", fmt_bytes(result.estimate), fmt_bytes(result.saved),
              result.seconds)
@@ -1671,11 +1696,11 @@ class StepHold:
     held: int  # the step's estimated peak after (estimate where nothing was taken)
     seconds: float = 0.0
     calls: Tuple[int, ...] = ()  # the step's calls (graph indices): the step it was held for
-    from_cache: bool = False  # held in an earlier process: its plan cache's step record
+    from_cache: bool = False  # read from the plan cache's step record, not searched
 
     def __str__(self) -> str:
         text = self._text()
-        return text + " (held in an earlier process: read from the plan cache)" if self.from_cache else text
+        return text + " (read from the plan cache: held when this step was first planned)" if self.from_cache else text
 
     def _text(self) -> str:
         if not self.levels:
@@ -1722,6 +1747,11 @@ def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
     ios = STEP.io_of(calls)
     sharding = _sharding(calls)
     own = {g: g.plan for g in calls}
+    # a graph lowered with another budget's plan from a step record that this step is not (another loss,
+    # another call order): its own plan is its plan under its own options, lowered back where kept
+    moved = [g for g in graphs if g.active is not None and g.active.key() != g.options.key()]
+    for g in moved:
+        own[g] = g.estimate(g.options)
     extend = monotone_extends(opts.monotone)
     plans: Dict[float, Dict[CompiledGraph, Plan]] = {}
     origin: Dict[int, float] = {}  # id of a plan -> the shared budget it was made at
@@ -1785,6 +1815,9 @@ def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
     result, chosen, bound = envelope(f, dict(own), depth)
     levels = {x: p for x, p in raw.items() if x > f}
     changed = {g: origin[id(p)] for g, p in chosen.items() if g in own and not _same(p, own[g])}
+    for g in moved:
+        if g not in changed:
+            g.relower(g.options)
     taken = {}
     for g, level in changed.items():
         report = g.plan.budget
@@ -1803,7 +1836,7 @@ def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
             picked.step_held = (f"budget {level:g}'s plan, which saves within this budget, holds the step's "
                                 f"estimated peak at {fmt_bytes(result)} (its own plan: {fmt_bytes(estimate)}; the "
                                 f"larger budgets': {fmt_bytes(bound)})")
-    if len(taken) < len(changed):
+    if len(taken) < len(changed) or moved:
         result = step_of({g: g.plan for g in graphs})  # what the step runs now
     held_step = StepHold(f, estimate, estimate if bound is None else bound, levels, taken, result,
                          time.perf_counter() - t0, _signature(calls))

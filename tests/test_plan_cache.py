@@ -331,7 +331,7 @@ hold = step_mod.hold_step
 step_mod.hold_step = lambda calls: searched.append(len(calls)) or hold(calls)
 options = json.loads(sys.argv[1])
 run = torch.compile(model, backend="remat", options=options)
-loss = torch.compile(loss_of, backend="remat", options=options)
+loss = torch.compile(loss_of, backend="remat", options=options) if sys.argv[2] == "compiled loss" else loss_of
 for _ in range(3):
     model.zero_grad(set_to_none=True)
     loss(run(x), y).backward()
@@ -352,25 +352,95 @@ def test_a_second_process_holds_the_step_as_the_first_did_without_searching(tmp_
     block graph called 6 times a step, the loss apart) is in the plan cache too: the second process
     compiles each graph with the plan its step took, at its first call, and takes the hold as it
     was, without its search: the same plans, reports and step estimate, the same gradients."""
-    env = dict(os.environ, REMAT_FX_PLAN_CACHE="1", REMAT_FX_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
-
-    def run():
-        out = subprocess.run([sys.executable, "-c", HOLD_STEP, json.dumps({"lower": "eager", "memory_budget": 0.8})],
-                             capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-3000:]
-        got = json.loads(out.stdout.strip().splitlines()[-1])
-        got["budget"] = [re.sub(r"solver, [0-9.]+ ms", "solver", b) for b in got["budget"]]  # its own solve time
-        return got
-
+    run = _hold_runner(tmp_path)
     first = run()
     assert first["searched"] == [7] and not first["from_cache"] and first["taken"]  # held: a plan taken
     assert first["options"] == [0.9, 0.9]  # budget 0.9's plans, lowered again
     second = run()
     assert second["searched"] == [] and second["from_cache"]  # the hold read, not searched
-    assert second["held"] == first["held"] + " (held in an earlier process: read from the plan cache)"
+    assert second["held"] == first["held"] + " (read from the plan cache: held when this step was first planned)"
     for k in ("taken", "estimate", "saved", "peak", "budget", "options"):
         assert second[k] == first[k], k
     assert all("in its step, budget 0.9's plan, which saves within this budget" in b for b in second["budget"])
+
+
+def _hold_runner(tmp_path):
+    def run(loss="compiled loss", folder=tmp_path):
+        env = dict(os.environ, REMAT_FX_PLAN_CACHE="1", REMAT_FX_CACHE_DIR=str(folder), PYTHONPATH=str(ROOT))
+        out = subprocess.run([sys.executable, "-c", HOLD_STEP, json.dumps({"lower": "eager", "memory_budget": 0.8}),
+                              loss], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        got["budget"] = [re.sub(r"solver, [0-9.]+ ms", "solver", b) for b in got["budget"]]  # its own solve time
+        return got
+
+    return run
+
+
+@pytest.mark.slow
+def test_a_step_other_than_the_recorded_one_is_held_from_its_graphs_own_plans(tmp_path):
+    """The record of a step held with its loss compiled apart gives the block graph budget 0.9's plan
+    at its first call; a process whose step computes the loss eagerly is not that step: it is held
+    from the graph's own plan at 0.8 (it took the recorded plan as its own, reported the step's own
+    estimate as 0.9's, and the next process searched again), as a process without the record holds
+    it, and its own record is read by the next process."""
+    run = _hold_runner(tmp_path)
+    alone = run("eager loss", folder=tmp_path / "alone")  # the eager-loss step, without any record
+    assert alone["searched"] and alone["taken"], alone
+    first = run()
+    assert first["searched"] and first["taken"]
+    second = run("eager loss")  # compiled from the compiled-loss step's record, then held as its own step
+    assert second["searched"] and not second["from_cache"]
+    for k in ("held", "taken", "estimate", "saved", "peak", "budget", "options"):
+        assert second[k] == alone[k], k
+    third = run("eager loss")
+    assert third["searched"] == [] and third["from_cache"]
+    for k in ("taken", "estimate", "saved", "peak", "budget", "options"):
+        assert third[k] == alone[k], k
+
+
+AUTO_STEP = MODEL + r"""
+import json, torch
+from remat_fx import options as options_module, step as step_mod
+from remat_fx.step import STEP
+options_module._cuda_available = lambda: True  # a device's free memory, stood in for
+read = {"optimizer": False}
+# the free memory at a step's start: 1.25 MiB before the optimizer's first step, 1 MiB after (its state)
+step_mod.auto_limit = lambda: 5 * 2**18 - (2**18 if read["optimizer"] else 0)
+planned = []
+plan_step = step_mod.plan_step
+step_mod.plan_step = lambda *a, **k: planned.append(1) or plan_step(*a, **k)
+torch.manual_seed(0)
+model = Model(d=32)  # blocks with a graph break halfway: a step of two compiled graphs
+x = torch.randn(4, 64, 32)
+f = torch.compile(model, backend="remat", options={"lower": "eager", "peak_budget": "auto"})
+for _ in range(3):
+    model.zero_grad(set_to_none=True)
+    f(x).backward()
+    read["optimizer"] = True
+print(json.dumps({"planned": len(planned), "from_cache": STEP.step_plan.from_cache, "limit": STEP.step_plan.limit,
+                  "shared": STEP.step_plan.fraction}))
+"""
+
+
+def test_a_peak_budget_auto_steps_record_is_keyed_by_the_limit_its_first_compile_read(tmp_path):
+    """peak_budget="auto": the step is planned at the second step's start, against the device's free
+    memory read after the optimizer's first step, which a later process's first compile does not
+    see; its record is keyed by the reading of the graphs' compile, so the next process finds it
+    (keyed by the later reading, it never did), checks it against its own step's limit, and plans
+    nothing."""
+    env = dict(os.environ, REMAT_FX_PLAN_CACHE="1", REMAT_FX_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", AUTO_STEP], capture_output=True, text=True, timeout=600,
+                             env=env, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["planned"] == 1 and not first["from_cache"] and first["limit"] == 2**20
+    second = run()
+    assert second["planned"] == 0 and second["from_cache"] and second["shared"] == first["shared"]
 
 
 def test_a_cache_folder_that_cannot_be_written_is_said_once_and_a_tilde_is_the_home(tmp_path, monkeypatch):
