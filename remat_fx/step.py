@@ -1337,8 +1337,9 @@ def _step_record_path(graph: CompiledGraph, options: BackendOptions):
 
 
 def _step_cached(graph: CompiledGraph, options: BackendOptions) -> Optional[BackendOptions]:
-    """The options ``graph``'s step gave it when an earlier process planned that step as a whole
-    (the plan cache's step record), where they are not ``options`` themselves; else None. A graph
+    """The options ``graph``'s step gave it when that step was planned as a whole (an earlier
+    process, or this one before a torch._dynamo.reset(): the plan cache's step record), where they
+    are not ``options`` themselves; else None. A graph
     found in a record keeps it (``step_record``): the step takes the record's decision once it has
     run, if it is the step recorded (_recorded)."""
     path = _step_record_path(graph, options)
@@ -1349,8 +1350,8 @@ def _step_cached(graph: CompiledGraph, options: BackendOptions) -> Optional[Back
     choice = record["choice"][graph.key]
     if choice == "own" or not (choice is None or isinstance(choice, float)):
         return None
-    log.info("remat_fx: graph %d is compiled as its step was planned in an earlier process (shared memory_budget "
-             "%s, read from the plan cache)", graph.index, _shared(choice))
+    log.info("remat_fx: graph %d is compiled as its step was planned when first run (shared memory_budget %s, "
+             "the step's record in the plan cache)", graph.index, _shared(choice))
     return shared_options(options, choice)
 
 
@@ -1847,7 +1848,7 @@ def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
 
 
 def _hold_of(record: dict, calls: Sequence[CompiledGraph]) -> StepHold:
-    """The StepHold an earlier process's hold_step made of this step (its record in the plan cache)."""
+    """The StepHold hold_step made of this step when it was first planned (its record in the plan cache)."""
     step = record["step"]
     taken = {g.index: record["choice"][g.key] for g in dict.fromkeys(calls) if record["choice"][g.key] != "own"}
     return StepHold(step["budget"], step["estimate"], step["bound"], {x: p for x, p in step["levels"]}, taken,
