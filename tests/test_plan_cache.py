@@ -14,7 +14,7 @@ import torch
 
 import remat_fx as remat
 from remat_fx import plan_cache
-from tests.test_step import MODEL
+from tests.test_step import ATTENTION_LM, MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -283,42 +283,11 @@ def test_a_second_process_loads_the_graphs_from_aotautograds_cache_with_their_pl
     assert sum(plan_cache.load_record(r) is not None for r in records) == 2  # the two it used, written again
 
 
-HOLD_STEP = r"""
-import json, sys, torch
-import torch.nn.functional as F
+HOLD_STEP = ATTENTION_LM + r"""
+import json, sys
 import remat_fx as remat
 from remat_fx import step as step_mod
 from remat_fx.step import STEP
-
-class Block(torch.nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, -1)
-        x = x + self.o(torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v)
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-class Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(128, 32)
-        self.blocks = torch.nn.ModuleList(Block(32) for _ in range(6))
-        self.head = torch.nn.Linear(32, 128, bias=False)
-
-    def forward(self, x):
-        x = self.emb(x)
-        for i, block in enumerate(self.blocks):
-            if i == 3:
-                torch._dynamo.graph_break()
-            x = block(x)
-        return self.head(x)
-
-def loss_of(logits, y):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 g = torch.Generator().manual_seed(1)
 x, y = torch.randint(0, 128, (8, 64), generator=g), torch.randint(0, 128, (8, 64), generator=g)

@@ -65,6 +65,49 @@ _ns: dict = {}
 exec(compile(MODEL, "<test_step model>", "exec"), _ns)
 make = _ns["make"]
 
+# attention blocks with a graph break in the block loop (one block graph called once per block) and a
+# head to 128 logits, its cross-entropy loss_of to be compiled apart (tests/test_plan_cache.py runs it
+# in processes of their own)
+ATTENTION_LM = '''
+import torch
+import torch.nn.functional as F
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, -1)
+        x = x + self.o(torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v)
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 32)
+        self.blocks = torch.nn.ModuleList(Block(32) for _ in range(6))
+        self.head = torch.nn.Linear(32, 128, bias=False)
+
+    def forward(self, x):
+        x = self.emb(x)
+        for i, block in enumerate(self.blocks):
+            if i == 3:
+                torch._dynamo.graph_break()
+            x = block(x)
+        return self.head(x)
+
+
+def loss_of(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+'''
+_attention_lm: dict = {}
+exec(compile(ATTENTION_LM, "<test_step attention lm>", "exec"), _attention_lm)
+
 
 @pytest.fixture(autouse=True)
 def _fresh_step():
@@ -1746,40 +1789,9 @@ def test_memory_budget_holds_a_step_that_calls_one_graph_per_block_under_the_lar
     (remat_fx/step.py hold_step): measured and estimated peaks do not rise from 0.9 to 0.8 nor from
     0.5 to 0.4, each graph saves within its own budget's target, gradients as the uncompiled model's,
     and the plan that was taken says so."""
-    import torch.nn.functional as F
-
-    class Block(torch.nn.Module):
-        def __init__(self, d):
-            super().__init__()
-            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-            self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-            self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            q, k, v = self.qkv(self.ln1(x)).chunk(3, -1)
-            x = x + self.o(torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v)
-            return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = torch.nn.Embedding(128, 32)
-            self.blocks = torch.nn.ModuleList(Block(32) for _ in range(6))
-            self.head = torch.nn.Linear(32, 128, bias=False)
-
-        def forward(self, x):
-            x = self.emb(x)
-            for i, block in enumerate(self.blocks):
-                if i == 3:
-                    torch._dynamo.graph_break()
-                x = block(x)
-            return self.head(x)
-
+    Model, loss_of = _attention_lm["Model"], _attention_lm["loss_of"]
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 128, (8, 64), generator=g), torch.randint(0, 128, (8, 64), generator=g)
-
-    def loss_of(logits, y):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     def make_step(options):
         torch.manual_seed(0)
