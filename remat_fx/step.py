@@ -522,10 +522,11 @@ class CompiledGraph:
                           f"ShapeEnv is frozen once the graph is compiled): it keeps the lowering it had "
                           f"(memory_budget {had}), which runs at every size Dynamo lets through", stacklevel=2)
 
-    def _kept(self) -> bool:
-        """A graph of dynamic shapes without Dynamo's symbolic inputs to be lowered again from: it keeps
-        the lowering it has (relower), and its plan is its estimate under any options (estimate)."""
-        return self.dynamic and not any(_symbolic(x) for x in self.example_inputs)
+    def _kept(self, inputs=None) -> bool:
+        """A graph of dynamic shapes without Dynamo's symbolic inputs to be lowered again from (its example
+        inputs, or ``inputs``): it keeps the lowering it has (relower), and its plan is its estimate under
+        any options (estimate)."""
+        return self.dynamic and not any(_symbolic(x) for x in (self.example_inputs if inputs is None else inputs))
 
     def estimate(self, options: BackendOptions) -> Plan:
         """The plan ``options`` would give, from the joint graph alone (no lowering)."""
@@ -1210,7 +1211,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
                       stacklevel=3)
     recorded = _step_cached(graph, options)
     fakes = graph._fakes(graph.example_inputs) if recorded is not None else None
-    if recorded is not None and not (graph.dynamic and not any(_symbolic(x) for x in fakes)):
+    if recorded is not None and not graph._kept(fakes):
         # as the earlier process lowered it for its step (relower), from the copy of Dynamo's graph and
         # fake inputs: AOTAutograd's cache keys those apart from Dynamo's own graph module (its other
         # attributes) and the real inputs Dynamo passes (dynamic_shapes). (A graph of dynamic shapes
@@ -1339,9 +1340,8 @@ def _step_record_path(graph: CompiledGraph, options: BackendOptions):
 def _step_cached(graph: CompiledGraph, options: BackendOptions) -> Optional[BackendOptions]:
     """The options ``graph``'s step gave it when that step was planned as a whole (an earlier
     process, or this one before a torch._dynamo.reset(): the plan cache's step record), where they
-    are not ``options`` themselves; else None. A graph
-    found in a record keeps it (``step_record``): the step takes the record's decision once it has
-    run, if it is the step recorded (_recorded)."""
+    are not ``options`` themselves; else None. A graph found in a record keeps it (``step_record``):
+    the step takes the record's decision once it has run, if it is the step recorded (_recorded)."""
     path = _step_record_path(graph, options)
     record = plan_cache.load_step(path) if path is not None else None
     if record is None or graph.key not in record["choice"]:
@@ -1400,7 +1400,10 @@ def _recorded(calls: Sequence[CompiledGraph], kind: str):
                  "(another machine or cost model): the step is planned again", ", ".join(map(str, differs)))
         return None
     try:
-        return _step_plan_of(record) if kind == "plan" else _hold_of(record, calls)
+        if kind == "plan":
+            return StepPlan.from_record(record["step"])
+        taken = {g.index: record["choice"][g.key] for g in graphs if record["choice"][g.key] != "own"}
+        return StepHold.from_record(record["step"], taken, _signature(calls))
     except (KeyError, TypeError, ValueError, AttributeError):  # a record this code did not write
         log.info("remat_fx: the plan cache's record of this step is unreadable: the step is planned again")
         return None
@@ -1509,9 +1512,7 @@ def _after_step(calls: List[CompiledGraph]) -> None:
         raise
     if isinstance(planned, StepPlan) and not planned.from_cache:
         # kept for the next process once every rank has planned its step (a rank that failed fails them all)
-        _keep_step(calls, "plan", {g: planned.fraction for g in calls},
-                   {"fraction": planned.fraction, "estimate": planned.estimate, "saved": planned.saved,
-                    "limit": planned.limit, "tried": [[f, peak, saved] for f, (peak, saved) in planned.tried.items()]})
+        _keep_step(calls, "plan", {g: planned.fraction for g in calls}, planned.record())
 
 
 def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limit: Optional[int]
@@ -1567,11 +1568,15 @@ class StepPlan:
     seconds: float = 0.0
     from_cache: bool = False  # read from the plan cache's step record, not searched
 
+    def record(self) -> dict:
+        """As the plan cache's step record keeps it (JSON: the fractions tried as a list)."""
+        return {"fraction": self.fraction, "estimate": self.estimate, "saved": self.saved, "limit": self.limit,
+                "tried": [[f, peak, saved] for f, (peak, saved) in self.tried.items()]}
 
-def _step_plan_of(record: dict) -> StepPlan:
-    step = record["step"]
-    return StepPlan(step["fraction"], step["estimate"], step["saved"], step["limit"],
-                    {f: (peak, saved) for f, peak, saved in step["tried"]}, 0.0, from_cache=True)
+    @classmethod
+    def from_record(cls, step: dict) -> "StepPlan":
+        return cls(step["fraction"], step["estimate"], step["saved"], step["limit"],
+                   {f: (peak, saved) for f, peak, saved in step["tried"]}, from_cache=True)
 
 
 def shared_options(options: BackendOptions, fraction: Optional[float]) -> BackendOptions:
@@ -1698,6 +1703,17 @@ class StepHold:
     seconds: float = 0.0
     calls: Tuple[int, ...] = ()  # the step's calls (graph indices): the step it was held for
     from_cache: bool = False  # read from the plan cache's step record, not searched
+
+    def record(self) -> dict:
+        """As the plan cache's step record keeps it (JSON: the levels as a list; what each graph took is
+        the record's choice)."""
+        return {"budget": self.budget, "estimate": self.estimate, "bound": self.bound,
+                "levels": [[x, p] for x, p in self.levels.items()], "held": self.held}
+
+    @classmethod
+    def from_record(cls, step: dict, taken: Dict[int, float], calls: Tuple[int, ...]) -> "StepHold":
+        return cls(step["budget"], step["estimate"], step["bound"], {x: p for x, p in step["levels"]}, taken,
+                   step["held"], 0.0, calls, from_cache=True)
 
     def __str__(self) -> str:
         text = self._text()
@@ -1841,18 +1857,8 @@ def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
         result = step_of({g: g.plan for g in graphs})  # what the step runs now
     held_step = StepHold(f, estimate, estimate if bound is None else bound, levels, taken, result,
                          time.perf_counter() - t0, _signature(calls))
-    _keep_step(calls, "hold", {g: taken.get(g.index, "own") for g in calls},
-               {"budget": f, "estimate": held_step.estimate, "bound": held_step.bound,
-                "levels": [[x, p] for x, p in levels.items()], "held": result})
+    _keep_step(calls, "hold", {g: taken.get(g.index, "own") for g in calls}, held_step.record())
     return _held(held_step)
-
-
-def _hold_of(record: dict, calls: Sequence[CompiledGraph]) -> StepHold:
-    """The StepHold hold_step made of this step when it was first planned (its record in the plan cache)."""
-    step = record["step"]
-    taken = {g.index: record["choice"][g.key] for g in dict.fromkeys(calls) if record["choice"][g.key] != "own"}
-    return StepHold(step["budget"], step["estimate"], step["bound"], {x: p for x, p in step["levels"]}, taken,
-                    step["held"], 0.0, _signature(calls), from_cache=True)
 
 
 def _same(a: Plan, b: Plan) -> bool:
