@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from remat_fx import plan_cache
 from remat_fx.memory_budget import Budget, fmt_bytes
 from remat_fx.options import BackendOptions
-from remat_fx.runtime.torch_compat import current_graph_task, storage_key, storage_ref
+from remat_fx.runtime.torch_compat import current_graph_task, saved_tensors_hooked, storage_key, storage_ref
 from remat_fx.passes import partition as _partition
 from remat_fx.passes.budget import BudgetInfeasible
 from remat_fx.passes import lower as _lower_module
@@ -91,13 +91,13 @@ def grads_once(costs: Sequence[CallCost], calls: Sequence["CompiledGraph"], ios)
 def step_costs(calls: Sequence["CompiledGraph"], ios, plan_of: Optional[Callable[["CompiledGraph"], Plan]] = None
                ) -> List[CallCost]:
     """What each of ``calls`` adds to the step under its plan (``plan_of``, by default the one it
-    runs), with the inputs that eager code made during the step (``CallIO.external``: an embedding
+    ran: :func:`ran_plans`), with the inputs that eager code made during the step (``CallIO.external``: an embedding
     before the first graph, a head between the blocks' graphs and the loss graph; no graph's
     estimate counts them): one its plan keeps for its backward, alive from its forward until then,
     others up to their last use in its forward; each parameter gradient counted once
     (:func:`grads_once`)."""
-    plan_of = plan_of or (lambda g: g.plan)
-    costs = [call_cost(plan_of(g), g.grads) for g in calls]
+    plans = ran_plans(calls, ios) if plan_of is None else [plan_of(g) for g in calls]
+    costs = [call_cost(plan, g.grads) for g, plan in zip(calls, plans)]
     if ios is not None and len(ios) == len(costs):
         # each storage once, at the first call that reads it (an encoder's output, or an x0 that every
         # block reads, was counted once per call: 1.24x the measured step over 6 calls, a review), and
@@ -114,7 +114,7 @@ def step_costs(calls: Sequence["CompiledGraph"], ios, plan_of: Optional[Callable
             external = getattr(io, "external", ())
             if not external:
                 continue
-            kept_inputs = g.saved_input_indices(plan_of(g), io.nargs)  # None: taken as kept
+            kept_inputs = g.saved_input_indices(plans[i], io.nargs)  # None: taken as kept
             for m, nbytes, key in external:
                 first.setdefault(key, (i, m, nbytes))
                 if kept_inputs is None or m in kept_inputs:
@@ -125,12 +125,21 @@ def step_costs(calls: Sequence["CompiledGraph"], ios, plan_of: Optional[Callable
                                                saved=costs[i].saved + nbytes)
                 continue
             # kept by none: alive in its first reader's forward up to its last use there
-            g, peak = calls[i], plan_of(calls[i]).peak
+            g, peak = calls[i], plans[i].peak
             name = g.primals[m] if g.primals is not None and m < len(g.primals) else None
             span = next((x for x in peak.inputs if x[0] == name), None)
             if span is not None:
                 costs[i] = dataclasses.replace(costs[i], forward=max(costs[i].forward, span[1] + nbytes, span[2]))
     return grads_once(costs, calls, ios)
+
+
+def ran_plans(calls: Sequence["CompiledGraph"], ios) -> List[Plan]:
+    """The plan each of ``calls`` ran under: its graph's, or where its run-time record has it, the one
+    it ran (a graph lowered again in the middle of its first step runs another from there:
+    :func:`_hold_first_step`)."""
+    if ios is not None and len(ios) == len(calls):
+        return [getattr(io, "plan", None) or g.plan for g, io in zip(calls, ios)]
+    return [g.plan for g in calls]
 
 
 def call_cost(plan: Plan, grads: int) -> CallCost:
@@ -378,6 +387,11 @@ class CompiledGraph:
         self.grads = 0
         self.active: Optional[BackendOptions] = None  # what it was lowered with
         self.over = False  # planned with less than the step's limit left for it
+        self.stepped = False  # a step that called it has begun its backward
+        # lowered at its least peak for the rest of its first step (_hold_first_step), from the lowering
+        # of its first call (kept: taken back where the step, once known, fits with it)
+        self.provisional = False
+        self.first: Optional[dict] = None
         self.first_compile = True  # compiled on its frame's first compile (not a recompile on new shapes)
         self.cached = None  # the remat.fit call (its scope) whose cache gave the plan it was compiled with
         self.step_record: Optional[dict] = None  # the plan cache's record of its step it was compiled from
@@ -399,6 +413,7 @@ class CompiledGraph:
             self.gm = _copy_dynamo_graph(self.pristine)
             fn = self._lower(options, record, lookup=False)  # the record written again
         self.fn, self.active = fn, options
+        self.provisional = False
         self.version += 1
         self.steps = 0
         self.settled = False
@@ -566,6 +581,8 @@ class CompiledGraph:
                     and not isinstance(next((a for a in args if isinstance(a, torch.Tensor)), None), FakeTensor))
         if training:
             STEP.enter(self)
+            if not self.stepped:
+                _hold_first_step(self)
             if STEP.leaves is not None:  # remat.fit: the step's parameters (one graph may serve several blocks)
                 STEP.leaves.update((id(a), weakref.ref(a)) for a in args
                                    if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad)
@@ -622,7 +639,7 @@ class CallIO:
     began. Weak references only: it keeps nothing alive."""
 
     __slots__ = ("outputs", "storage_of", "expired", "sizes", "consumers", "alive", "alive_at_own", "nargs",
-                 "params", "regathered", "world", "kept_into_next", "leaves", "external", "keys")
+                 "params", "regathered", "world", "kept_into_next", "leaves", "external", "keys", "plan")
 
     def __init__(self, out, args, params: bool = False):
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -669,6 +686,7 @@ class CallIO:
         self.kept_into_next = False  # some of them still unfreed once the next call's forward ran
         # its inputs made by eager code during the step (_Step.watch): (input index, bytes, storage key)
         self.external: List[Tuple[int, int, int]] = []
+        self.plan: Optional[Plan] = None  # the plan its graph ran it under (_Step.watch)
 
     @property
     def param_bytes(self) -> int:
@@ -707,7 +725,8 @@ class _Light:
 
 
 def released_bytes(calls: Sequence["CompiledGraph"], ios: Optional[Sequence[Optional[CallIO]]],
-                   plan_of: Callable[["CompiledGraph"], Plan]) -> Optional[Tuple[List[int], List[int]]]:
+                   plan_of: Optional[Callable[["CompiledGraph"], Plan]] = None
+                   ) -> Optional[Tuple[List[int], List[int]]]:
     """Per call, (bytes of its held outputs freed before the step's backward began, bytes freed
     during the later calls' backwards), together at most its estimate's ``held``. Before: output
     storages that were gone by then (nothing held them: a loss graph read them and did not keep
@@ -719,6 +738,7 @@ def released_bytes(calls: Sequence["CompiledGraph"], ios: Optional[Sequence[Opti
     object kept through ``backward()``; or its own graph saved it). None without the run-time record."""
     if ios is None or len(ios) != len(calls) or any(io is None or io.alive is None for io in ios):
         return None
+    plans = ran_plans(calls, ios) if plan_of is None else [plan_of(g) for g in calls]
     saved_inputs: Dict[int, Optional[set]] = {}
     early, late = [], []
     for i, (g, io) in enumerate(zip(calls, ios)):
@@ -731,13 +751,13 @@ def released_bytes(calls: Sequence["CompiledGraph"], ios: Optional[Sequence[Opti
             kept = False
             for j, m in io.consumers[s]:
                 if j not in saved_inputs:
-                    saved_inputs[j] = calls[j].saved_input_indices(plan_of(calls[j]), ios[j].nargs)
+                    saved_inputs[j] = calls[j].saved_input_indices(plans[j], ios[j].nargs)
                 kept = kept or saved_inputs[j] is None or m in saved_inputs[j]
             if kept:
                 later += size
             else:
                 freed += size
-        held = plan_of(g).peak.held
+        held = plans[i].peak.held
         early.append(min(freed, held))
         late.append(min(later, held - early[-1]))
     return early, late
@@ -889,6 +909,7 @@ class _Step:
             return
         distributed = _distributed()
         io = CallIO(out, args, params=distributed)
+        io.plan = graph.plan
         pending = _Pending(io)
         node.register_prehook(pending)
         if distributed:
@@ -951,6 +972,7 @@ class _Step:
             self.last_versions = tuple(g.version for g in self.last)
             for g in {id(g): g for g in self.last}.values():
                 g.steps += 1
+                g.stepped = True
 
     def backward_of(self, io) -> None:
         """The backward of the step's call ``io`` begins: where that is not in the reverse order of the
@@ -1035,6 +1057,13 @@ class _Step:
         """The calls of the step in progress (its forwards so far), or a new step's (none)."""
         return [] if self.backward_began else self._live()
 
+    def current_runs(self) -> List[Tuple[CompiledGraph, Plan]]:
+        """The calls of the step in progress with a plan, each with the plan it ran under."""
+        if self.backward_began:
+            return []
+        return [(g, getattr(io, "plan", None) or g.plan) for g, ref, io in self.calls
+                if ref() is not None and g.plan is not None]
+
     def finished(self) -> List[CompiledGraph]:
         """The calls of the last step whose backward has begun."""
         return self.last
@@ -1086,15 +1115,15 @@ def backward_limit(plan: Plan) -> Optional[int]:
     if not STEP.backward_began:
         return None
     calls = STEP.last
-    mine = [i for i, g in enumerate(calls) if g.plan is plan]
+    ios = STEP.io_of(calls)
+    mine = [i for i, p in enumerate(ran_plans(calls, ios)) if p is plan]
     if not mine or any(g.plan is None or g.options.step_peak is not None for g in calls):
         return None
-    ios = STEP.io_of(calls)
     sharding = sharding_of(ios)
     if (sharding is None and _group() is not None) or (sharding is not None and not sharding.complete):
         return None
     costs = step_costs(calls, ios)
-    found = released_bytes(calls, ios, lambda g: g.plan)
+    found = released_bytes(calls, ios)
     if found is None:
         return None
     released, later = found
@@ -1160,18 +1189,22 @@ def graph_options(options: BackendOptions, before: Optional[Sequence[CompiledGra
     """(options for the graph being compiled now, whether the step's limits left it less than the
     user's): a whole-step byte ``peak_budget`` less what the calls ``before`` it in this step hold
     (default: the step's calls so far), and a byte ``memory_budget`` less what they saved."""
-    if before is None:
-        before = [g for g in STEP.current() if g.plan is not None]
+    runs = STEP.current_runs() if before is None else [(g, g.plan) for g in before]
     changes = {}
     limit = step_limit(options)
     if limit is not None:
-        held = sum(g.cost.saved + g.cost.held for g in before)
-        changes["peak_budget"] = max(limit - held, 1)
+        changes["peak_budget"] = max(limit - _holding(runs), 1)
     budget = options.memory_budget
-    if budget is not None and budget.nbytes is not None and before:
-        changes["memory_budget"] = Budget(nbytes=max(budget.nbytes - sum(g.plan.total_bytes for g in before), 0))
-    shrunk = bool(before) and bool(changes)
+    if budget is not None and budget.nbytes is not None and runs:
+        changes["memory_budget"] = Budget(nbytes=max(budget.nbytes - sum(p.total_bytes for _, p in runs), 0))
+    shrunk = bool(runs) and bool(changes)
     return (dataclasses.replace(options, **changes) if changes else options), shrunk
+
+
+def _holding(runs: Sequence[Tuple[CompiledGraph, Plan]]) -> int:
+    """What calls (each with the plan it ran under) hold through the rest of the step's forwards:
+    saved for their backward, and their outputs."""
+    return sum(p.peak.saved + p.peak.held for _, p in runs)
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) -> CompiledGraph:
@@ -1243,20 +1276,27 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
         graph.compile(per_graph)
     except (PeakInfeasible, BudgetInfeasible):  # the calls before it took the step's limit
         log.warning("remat_fx: the calls before graph %d in this step leave it less than its least plan needs "
-                    "(peak_budget %s, memory_budget %s left); it is planned against the whole limit for now, and "
+                    "(peak_budget %s, memory_budget %s left); it is lowered at its least estimated peak for now, and "
                     "the step is planned again as a whole once it has run", graph.index,
                     "-" if per_graph.peak_budget is None else "nothing" if per_graph.peak_budget <= 1
                     else fmt_bytes(per_graph.peak_budget),
                     per_graph.memory_budget)
-        alone, _ = graph_options(options, before=())
+        # at its least peak, which goes least over the limit (planned against the whole limit, it was lowered
+        # at the fastest plan that limit allows, and the first step went further over it)
         graph.gm = _copy_dynamo_graph(graph.pristine)  # as Dynamo made it: Inductor's passes rewrite what they lower
+        graph.compile(shared_options(options, 0.0))
+        alone, _ = graph_options(options, before=())
+        budget = alone.memory_budget
         try:
-            graph.compile(alone)  # a limit this graph alone cannot meet raises here, naming it
+            if (alone.peak_budget is not None and graph.plan.peak.step > alone.peak_budget) or \
+                    (budget is not None and budget.nbytes is not None and graph.plan.total_bytes > budget.nbytes):
+                graph.gm = _copy_dynamo_graph(graph.pristine)
+                graph.compile(alone)  # a limit this graph alone cannot meet raises here, naming it
         except (PeakInfeasible, BudgetInfeasible) as e:
             # what it names is this graph's least alone, which the step needs more than (it read as the
             # step's: a limit raised to it failed again on the next step)
-            before = [g for g in STEP.current() if g.plan is not None]
-            held = sum(g.cost.saved + g.cost.held for g in before)
+            before = STEP.current_runs()
+            held = _holding(before)
             raise _noted(e, f"That is graph {graph.index} of this step alone, planned without the {len(before)} "
                             f"call(s) before it in the step, which hold {fmt_bytes(held)} through it (saved for their "
                             f"backward, and outputs): the whole step needs more. A first step with a "
@@ -1264,6 +1304,81 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
                             f"step's least in remat.step_report().") from None
         graph.over = True
     return graph
+
+
+_LOWERING = ("fn", "active", "plan", "joint", "grads", "primals", "gm")  # what a compile sets (a lowering)
+
+
+def _take_first_back(graph: CompiledGraph) -> None:
+    """The lowering of its first call again (:func:`_hold_first_step` kept it): not compiled again."""
+    for k, v in graph.first.items():
+        setattr(graph, k, v)
+    graph.version += 1
+    graph.steps, graph.settled, graph.over, graph.provisional, graph.first = 0, False, False, False, None
+    record_plan(graph.plan)
+
+
+def _hold_first_step(graph: CompiledGraph) -> None:
+    """A graph called again in its first step, before any step that calls it has been planned (a
+    block compiled alone and run once per layer, the blocks after a graph break in their loop),
+    under a whole-step byte limit: it was planned at its first call for what the calls before it had
+    left, as if the step ended with it, and the step may call it any number of times. Where the step
+    so far, with this call and as many more as it has had (doubling: as far as the step is known, it
+    calls the graph at least that often again), would go over the limit under its plan, it is
+    lowered again at its least estimated peak (the step's shared budget 0) for the rest of the step,
+    and the step is looked at when the next one begins (``over``): with every graph at its first
+    call's plan, if that fits the step now known (the first call's lowering is kept and taken back,
+    not compiled again), else planned as a whole. Before, every call ran its first call's plan: a
+    graph break in a loop of 8 blocks went 2.1x over a peak_budget of 80 MiB in its first step
+    (benchmarks/step.py's model, 168.50 MiB estimated; 70.31 now). What the calls before it hold
+    already is not given back: a limit they have taken is met from the next step."""
+    if graph.provisional or graph.over or graph.step_record is not None or graph.cached is not None or \
+            graph.fit_limit is not None or STEP.leaves is not None or graph._kept() or saved_tensors_hooked():
+        # (under saved-tensor hooks: torch.utils.checkpoint around the compiled call runs it again in the
+        # backward, which must save what the forward saved: lowered again between them, it did not)
+        return
+    options = graph.options
+    limit = step_limit(options)
+    budget = options.memory_budget
+    saved_limit = budget.nbytes if budget is not None else None
+    if limit is None and saved_limit is None:
+        return
+    runs = STEP.current_runs()
+    times = sum(g is graph for g, _ in runs)
+    if not times:  # its first call in the step: planned for what the calls before it left
+        return
+    plan = graph.plan
+    over = []
+    # the step so far, this call and ``times`` more, each once (their parameter gradients too: over, not under)
+    ahead = [call_cost(p, g.grads) for g, p in runs] + [graph.cost] * (times + 1)
+    if limit is not None and step_peak(ahead).peak > limit:
+        over.append(f"peak_budget {fmt_bytes(limit)}")
+    if saved_limit is not None and sum(p.total_bytes for _, p in runs) + (times + 1) * plan.total_bytes > saved_limit:
+        over.append(f"memory_budget {fmt_bytes(saved_limit)}")
+    if not over:
+        return
+    from remat_fx import measured_fit as _fit
+
+    if _fit.searching():
+        return
+    least = shared_options(options, 0.0)
+    graph.provisional = True  # looked at once: lowered at its least, or it is at its least already
+    if graph.joint is not None and _same(graph.estimate(least), plan):
+        return
+    first = {k: getattr(graph, k) for k in _LOWERING}
+    try:
+        graph.relower(least)
+    except Exception as e:  # noqa: BLE001 - the plan it has runs on (the step is planned as a whole next)
+        warnings.warn(f"remat_fx: lowering graph {graph.index} again at its least peak for the rest of its first step "
+                      f"failed ({type(e).__name__}: {e}); it runs on with the plan of its first call. Please report "
+                      f"this with the model.", stacklevel=3)
+        return
+    graph.over = graph.provisional = True
+    graph.first = first
+    log.info("remat_fx: graph %d is called again in its first step (call %d of it): at the plan of its first call the "
+             "step would go over its %s as far as it knows, so it is lowered at its least estimated peak (%s) for the "
+             "rest of this step; the step is planned as a whole when the next one begins",
+             graph.index, times + 1, " and ".join(over), fmt_bytes(graph.plan.peak.step))
 
 
 def _fits_once_released(graph: CompiledGraph, options: BackendOptions) -> bool:
@@ -1551,9 +1666,53 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
                                              saved_limit is not None and saved > saved_limit
                                              and f"memory_budget {fmt_bytes(saved_limit)}") if w),
                     fmt_bytes(estimated), fmt_bytes(saved))
-    if exceeded or any(g.over for g in calls):
+    switched = [g for g in dict.fromkeys(calls) if g.provisional and g.first is not None]
+    if switched and not exceeded:
+        # a graph lowered at its least peak in the middle of its first step, as far as the step was known
+        # then: where the step, now known, fits with every call at the plan of its graph's first call, it
+        # runs that lowering again (kept), as before the step was looked at in its first step (which saw a
+        # graph break in a loop of 8 blocks 2.1x over the limit it holds now)
+        at_first = lambda g: g.first["plan"] if g in switched else g.plan  # noqa: E731
+        peak = step_peak(step_costs(calls, STEP.io_of(calls), at_first), *_released(calls, at_first),
+                         _sharding(calls)).peak
+        if (limit is None or peak <= limit) and \
+                (saved_limit is None or sum(at_first(g).total_bytes for g in calls) <= saved_limit):
+            for g in switched:
+                _take_first_back(g)
+            log.info("remat_fx: the step fits its %s with every graph at the plan of its first call (estimated "
+                     "peak %s): graph(s) %s, lowered at their least for the rest of the first step, run their first "
+                     "call's lowering again", _step_limits(opts), fmt_bytes(peak),
+                     ", ".join(str(g.index) for g in switched))
+            return None
+    if not (exceeded or any(g.over for g in calls)):
+        return None
+    try:
         return plan_step(calls, limit=limit, saved_limit=saved_limit)
+    except (PeakInfeasible, BudgetInfeasible):
+        # a step within its limit as it ran, planned again because a graph was lowered at its least peak
+        # in the middle of its first step (_hold_first_step): no shared budget meets the limit (the graphs'
+        # first-call plans, each for what the calls before it left, are finer than the grid's), and the
+        # plans it runs now, each call at its graph's current plan, do (the graph called again runs its
+        # least at every call): kept (the first step went under the limit, the second raised it)
+        if exceeded or not any(g.provisional for g in calls) or not _fits_as_lowered(calls, limit, saved_limit):
+            raise
+    for g in calls:
+        g.over = False
+    log.info("remat_fx: no shared memory budget holds the step within its %s; the plans its graphs run now do "
+             "(estimated step peak %s), and are kept", _step_limits(opts), fmt_bytes(_as_lowered(calls)))
     return None
+
+
+def _as_lowered(calls: Sequence[CompiledGraph]) -> int:
+    """The last step's estimated peak with each call at its graph's current plan."""
+    current = lambda g: g.plan  # noqa: E731
+    return step_peak(step_costs(calls, STEP.io_of(calls), current), *_released(calls, current),
+                     _sharding(calls)).peak
+
+
+def _fits_as_lowered(calls: Sequence[CompiledGraph], limit: Optional[int], saved_limit: Optional[int]) -> bool:
+    return (limit is None or _as_lowered(calls) <= limit) and \
+        (saved_limit is None or sum(g.plan.total_bytes for g in calls) <= saved_limit)
 
 
 @dataclass
@@ -1933,20 +2092,22 @@ def step_report() -> StepReport:
     """Every compiled graph of the last training step (the step in progress once its backward has
     begun), with saved bytes and estimated peaks per call, and the estimated peak of the whole step."""
     calls = [g for g in STEP.finished() if g.plan is not None]
-    costs = step_costs(calls, STEP.io_of(calls))
+    ios = STEP.io_of(calls)
+    costs = step_costs(calls, ios)
     limit = step_limit(calls[0].options) if calls and calls[0].options.step_peak not in (None, "auto") else None
     released, later = _released(calls)
     sharding = _sharding(calls)
     held = STEP.step_hold if STEP.step_hold is not None and STEP.step_hold.calls == _signature(calls) else None
-    return StepReport([(g.index, g.plan, c) for g, c in zip(calls, costs)],
+    return StepReport([(g.index, p, c) for g, p, c in zip(calls, ran_plans(calls, ios), costs)],
                       step_peak(costs, released, later, sharding) if calls else None, limit, released, later,
                       sharding, held)
 
 
 def _released(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[CompiledGraph], Plan]] = None):
-    """released_bytes of the last step's ``calls`` under their plans (``plan_of``: candidate plans):
+    """released_bytes of the last step's ``calls`` under their plans (``plan_of``: candidate plans; by
+    default the ones they ran):
     (before the backwards, during the later backwards), or (None, None)."""
-    found = released_bytes(calls, STEP.io_of(calls), plan_of or (lambda g: g.plan))
+    found = released_bytes(calls, STEP.io_of(calls), plan_of)
     return (None, None) if found is None else found
 
 

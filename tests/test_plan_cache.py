@@ -255,7 +255,7 @@ def _aot_runner(tmp_path, options):
 def test_a_second_process_loads_the_graphs_from_aotautograds_cache_with_their_plan(tmp_path):
     """Inductor: the second process compiles each graph as the first planned its step (the step's
     record in the plan cache), from AOTAutograd's cache, at its first call: no tracing, partition or
-    step plan, and the first step is within the limit the first process's first step went over; the
+    step plan, and the first step is within the limit (as the first process's is now); the
     plans, the step view and the gradients are the first process's."""
     # half the step's saved bytes without a budget: each graph planned alone saves too much, so the
     # step is planned again as a whole with one shared fraction (graphs compiled under byte budgets, then that)
@@ -267,13 +267,17 @@ def test_a_second_process_loads_the_graphs_from_aotautograds_cache_with_their_pl
     assert first["from_cache"] == [True, True] and first["partitions"] == [1, 1]
     folder = tmp_path / "remat" / "plans"
     records = sorted(folder.glob("graph-*.pkl"))
-    assert len(records) == 4  # two graphs, under their byte budgets and under the shared fraction
+    # two graphs under their byte budgets, the one called again in the first step at its least peak for
+    # the rest of it (remat_fx/step.py _hold_first_step), and both under the shared fraction
+    assert len(records) == 5
     assert len(list(folder.glob("step-*.json"))) == 2  # the step's record, under each of its graphs
     second = run()
     # the two graphs at the shared fraction, at their first call: not under the byte budgets first
     assert second["aot_hits"] == 2 and second["from_cache"] == [True, True]
     assert second["partitions"] == [0, 0] and second["step_from_cache"]  # no partition ran, no step plan
-    assert "went over its memory_budget" not in second["log"] and "went over its memory_budget" in first["log"]
+    # nor the first process's first step (the graph called again runs at its least peak from its second call
+    # on: remat_fx/step.py _hold_first_step); before that, it went over, and said so
+    assert "went over" not in second["log"] and "went over" not in first["log"]
     for k in ("shared", "saved", "peak", "step", "plan", "estimate", "options"):
         assert second[k] == first[k], k
     for record in records:  # a hit without its plan: compiled again without AOTAutograd's cache

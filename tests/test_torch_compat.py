@@ -60,6 +60,16 @@ def test_private_torch_uses_live_only_in_the_compat_module():
     assert not found, f"private torch used outside {compat.HERE}:\n" + "\n".join(found)
 
 
+def test_saved_tensors_hooks_are_seen_inside_a_checkpoint_region_and_hooks_of_ones_own():
+    seen = []
+    x = torch.randn(4, requires_grad=True)
+    assert not compat.saved_tensors_hooked()
+    torch_checkpoint.checkpoint(lambda t: seen.append(compat.saved_tensors_hooked()) or t.sin(), x, use_reentrant=False)
+    with torch.autograd.graph.save_on_cpu():
+        seen.append(compat.saved_tensors_hooked())
+    assert seen == [True, True] and not compat.saved_tensors_hooked()
+
+
 def test_checkpoint_frame_counts_saved_tensors_and_sees_early_stop():
     seen = []
 

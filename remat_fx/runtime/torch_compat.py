@@ -195,6 +195,13 @@ def _global_early_stop() -> bool:
     return getattr(torch_checkpoint, "_enable_checkpoint_early_stop", None) is not False
 
 
+def saved_tensors_hooked() -> bool:
+    """Whether saved-tensor hooks are in force now (a ``torch.utils.checkpoint`` region, whose
+    backward runs the same code again and expects it to save the same tensors; ``save_on_cpu``;
+    a user's ``saved_tensors_hooks``)."""
+    return bool(torch._C._autograd._top_saved_tensors_default_hooks(False))
+
+
 def current_checkpoint_frame() -> Optional[CheckpointFrame]:
     """The innermost non-reentrant checkpoint region running now, or None when there is none
     or torch's hooks changed shape (then trailing ops simply keep what they saved)."""
