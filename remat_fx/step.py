@@ -392,6 +392,7 @@ class CompiledGraph:
         # of its first call (kept: taken back where the step, once known, fits with it)
         self.provisional = False
         self.first: Optional[dict] = None
+        self.first_looks = (-1, 0)  # (the step, its calls in it so far) as _hold_first_step counts them
         self.first_compile = True  # compiled on its frame's first compile (not a recompile on new shapes)
         self.cached = None  # the remat.fit call (its scope) whose cache gave the plan it was compiled with
         self.step_record: Optional[dict] = None  # the plan cache's record of its step it was compiled from
@@ -413,7 +414,7 @@ class CompiledGraph:
             self.gm = _copy_dynamo_graph(self.pristine)
             fn = self._lower(options, record, lookup=False)  # the record written again
         self.fn, self.active = fn, options
-        self.provisional = False
+        self.provisional, self.first = False, None
         self.version += 1
         self.steps = 0
         self.settled = False
@@ -636,10 +637,10 @@ class CallIO:
     """What one call of a compiled graph gave out, seen at run time: its outputs' storages (each
     once, less those of its inputs: an output aliasing an input or a parameter adds nothing), which
     later call read each as an input, and which storages were still alive when the step's backward
-    began. Weak references only: it keeps nothing alive."""
+    began. Weak references only: it keeps no tensor alive (the plan the call ran is kept)."""
 
     __slots__ = ("outputs", "storage_of", "expired", "sizes", "consumers", "alive", "alive_at_own", "nargs",
-                 "params", "regathered", "world", "kept_into_next", "leaves", "external", "keys", "plan")
+                 "params", "regathered", "world", "kept_into_next", "leaves", "external", "keys", "plan", "hooked")
 
     def __init__(self, out, args, params: bool = False):
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -687,6 +688,7 @@ class CallIO:
         # its inputs made by eager code during the step (_Step.watch): (input index, bytes, storage key)
         self.external: List[Tuple[int, int, int]] = []
         self.plan: Optional[Plan] = None  # the plan its graph ran it under (_Step.watch)
+        self.hooked = False  # run under saved-tensor hooks (torch.utils.checkpoint: run again in its backward)
 
     @property
     def param_bytes(self) -> int:
@@ -909,7 +911,7 @@ class _Step:
             return
         distributed = _distributed()
         io = CallIO(out, args, params=distributed)
-        io.plan = graph.plan
+        io.plan, io.hooked = graph.plan, saved_tensors_hooked()
         pending = _Pending(io)
         node.register_prehook(pending)
         if distributed:
@@ -954,7 +956,8 @@ class _Step:
         are still alive is noted (released_bytes)."""
         if not self.backward_began:
             live = [c for c in self.calls if c[1]() is not None]
-            if any(g.plan is not None and g.plan.rerun is not None and g.plan.rerun.shortenable for g, _, _ in live):
+            ran = [getattr(io, "plan", None) or g.plan for g, _, io in live]
+            if any(p is not None and p.rerun is not None and p.rerun.shortenable for p in ran):
                 # a backward still to compile may drop reruns by what this step frees (backward_limit);
                 # on the step that compiles, Dynamo's tracing leaves reference cycles holding values it
                 # traced (a Hugging Face model's output object, and in it the logits the loss graph
@@ -1059,10 +1062,14 @@ class _Step:
 
     def current_runs(self) -> List[Tuple[CompiledGraph, Plan]]:
         """The calls of the step in progress with a plan, each with the plan it ran under."""
-        if self.backward_began:
-            return []
-        return [(g, getattr(io, "plan", None) or g.plan) for g, ref, io in self.calls
-                if ref() is not None and g.plan is not None]
+        return [(g, getattr(io, "plan", None) or g.plan) for g, io in self._current_ios() if g.plan is not None]
+
+    def _current_ios(self) -> List[tuple]:
+        return [] if self.backward_began else [(g, io) for g, ref, io in self.calls if ref() is not None]
+
+    def hooked(self, graph: CompiledGraph) -> bool:
+        """Whether a call of ``graph`` in the step in progress ran under saved-tensor hooks."""
+        return any(g is graph and getattr(io, "hooked", False) for g, io in self._current_ios())
 
     def finished(self) -> List[CompiledGraph]:
         """The calls of the last step whose backward has begun."""
@@ -1333,9 +1340,14 @@ def _hold_first_step(graph: CompiledGraph) -> None:
     (benchmarks/step.py's model, 168.50 MiB estimated; 70.31 now). What the calls before it hold
     already is not given back: a limit they have taken is met from the next step."""
     if graph.provisional or graph.over or graph.step_record is not None or graph.cached is not None or \
-            graph.fit_limit is not None or STEP.leaves is not None or graph._kept() or saved_tensors_hooked():
-        # (under saved-tensor hooks: torch.utils.checkpoint around the compiled call runs it again in the
-        # backward, which must save what the forward saved: lowered again between them, it did not)
+            graph.fit_limit is not None or STEP.leaves is not None or graph._kept():
+        return
+    # looked at where its calls in the step so far are a power of two (1, 2, 4, ...): each look covers
+    # the step up to twice its calls, so the first step costs O(n log n) in its calls, not O(n^2)
+    number, calls = graph.first_looks
+    calls = calls + 1 if number == STEP.number else 1
+    graph.first_looks = (STEP.number, calls)
+    if calls < 2 or (calls - 1) & (calls - 2):
         return
     options = graph.options
     limit = step_limit(options)
@@ -1346,6 +1358,12 @@ def _hold_first_step(graph: CompiledGraph) -> None:
     runs = STEP.current_runs()
     times = sum(g is graph for g, _ in runs)
     if not times:  # its first call in the step: planned for what the calls before it left
+        return
+    if saved_tensors_hooked() or STEP.hooked(graph):
+        # torch.utils.checkpoint around a call of it (this one, or one before in the step) runs it again in
+        # that call's backward, which must save what its forward saved: lowered again between them, it did
+        # not (a review: "A different number of tensors was saved during the original forward and
+        # recomputation", every other block checkpointed)
         return
     plan = graph.plan
     over = []
@@ -1372,6 +1390,8 @@ def _hold_first_step(graph: CompiledGraph) -> None:
         warnings.warn(f"remat_fx: lowering graph {graph.index} again at its least peak for the rest of its first step "
                       f"failed ({type(e).__name__}: {e}); it runs on with the plan of its first call. Please report "
                       f"this with the model.", stacklevel=3)
+        return
+    if graph.fn is first["fn"]:  # kept the lowering it had (relower: a graph of dynamic shapes), and said why
         return
     graph.over = graph.provisional = True
     graph.first = first
@@ -1649,9 +1669,9 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
             return recorded
     if limit is None and opts.step_peak is not None:
         return plan_step(calls, fraction=opts.step_peak.fraction, saved_limit=saved_limit)
-    estimated = step_peak(step_costs(calls, STEP.io_of(calls)), *_released(calls),
-                          _sharding(calls)).peak
-    saved = sum(g.plan.total_bytes for g in calls)
+    ios = STEP.io_of(calls)
+    estimated = step_peak(step_costs(calls, ios), *_released(calls), _sharding(calls)).peak
+    saved = sum(p.total_bytes for p in ran_plans(calls, ios))
     exceeded = (limit is not None and estimated > limit) or (saved_limit is not None and saved > saved_limit)
     if exceeded:
         # said: its graphs were each planned at their first call, before the step was known (a graph
@@ -1667,7 +1687,7 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
                                              and f"memory_budget {fmt_bytes(saved_limit)}") if w),
                     fmt_bytes(estimated), fmt_bytes(saved))
     switched = [g for g in dict.fromkeys(calls) if g.provisional and g.first is not None]
-    if switched and not exceeded:
+    if switched and not exceeded and not any(g.over for g in calls if g not in switched):
         # a graph lowered at its least peak in the middle of its first step, as far as the step was known
         # then: where the step, now known, fits with every call at the plan of its graph's first call, it
         # runs that lowering again (kept), as before the step was looked at in its first step (which saw a
@@ -1697,7 +1717,7 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
         if exceeded or not any(g.provisional for g in calls) or not _fits_as_lowered(calls, limit, saved_limit):
             raise
     for g in calls:
-        g.over = False
+        g.over, g.first = False, None
     log.info("remat_fx: no shared memory budget holds the step within its %s; the plans its graphs run now do "
              "(estimated step peak %s), and are kept", _step_limits(opts), fmt_bytes(_as_lowered(calls)))
     return None

@@ -720,8 +720,8 @@ def test_a_graph_called_again_in_its_first_step_is_lowered_at_its_least_so_the_f
     assert 7 * (at_first.peak.saved + at_first.peak.held) > limit  # its first call's plan at every call: over
     switched = re.search(rf"graph {block} is called again in its first step \(call (\d) of it\): at the plan of its "
                          r"first call the step would go over its peak_budget .* as far as it knows, so it is lowered "
-                         r"at its least estimated peak \(.*\) for the rest of this step; the step is planned as a whole "
-                         r"when the next one begins", caplog.text)
+                         r"at its least estimated peak \(.*\) for the rest of this step; the step is planned as a "
+                         r"whole when the next one begins", caplog.text)
     assert switched, caplog.text
     k = int(switched.group(1))  # its calls are the step's 2nd to 8th
     assert all(plan is at_first for _, plan, _ in report.calls[1:k])  # the plan each call ran, in the report
@@ -765,6 +765,7 @@ def test_a_step_no_shared_budget_fits_keeps_the_least_its_first_step_ran_where_t
     assert remat.step_report().peak.peak <= limit and not any(g.over for g in STEP.last)
     assert _measure(step, steps=1) <= limit * 1.02
 
+
 def test_a_step_that_fits_at_its_first_calls_plans_runs_them_again_once_it_is_known(caplog):
     """Called again in its first step, a graph is lowered at its least where the step would go over
     if it called the graph as often again (it may); the step, once known, calls it once more only
@@ -802,6 +803,7 @@ def test_a_step_that_fits_at_its_first_calls_plans_runs_them_again_once_it_is_kn
     assert _measure(step, steps=1) <= limit * 1.02
     for got, want in zip(_grads(blocks), reference):
         torch.testing.assert_close(got, want)
+
 
 def test_a_graph_called_again_within_a_roomy_limit_keeps_its_first_calls_plan(caplog):
     """The same step under a limit its first call's plan meets at every call: nothing is lowered
@@ -990,6 +992,38 @@ def test_compiled_blocks_inside_torch_utils_checkpoint_are_not_steps_of_their_ow
         for g, w in zip(grads, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
+
+def test_a_graph_some_of_whose_calls_are_checkpointed_is_not_lowered_again_in_its_first_step():
+    """A review: one graph for 8 blocks, every other one inside torch.utils.checkpoint, under a byte
+    peak_budget the first calls' plans miss: lowered at its least at a call of its own, the graph then
+    ran its new lowering in the recompute of an earlier checkpointed call ("A different number of
+    tensors was saved during the original forward and recomputation"). It keeps its lowering through
+    the first step; the step is planned as a whole from the second, with eager's gradients."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(8))
+    x = torch.randn(16, 32, 64)
+
+    def step(runs):
+        blocks.zero_grad(set_to_none=True)
+        h = x
+        for i, run in enumerate(runs):
+            h = h + (torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False) if i % 2 else run(h))
+        h.square().mean().backward()
+        return _grads(blocks)
+
+    want = step(list(blocks))
+    step([torch.compile(b, backend="remat", options={"lower": "eager"}) for b in blocks])
+    limit = remat.step_report().peak.peak // 2
+    torch._dynamo.reset()
+    STEP.reset()
+    runs = [torch.compile(b, backend="remat", options={"lower": "eager", "peak_budget": limit}) for b in blocks]
+    for n in range(3):
+        for got, w in zip(step(runs), want):
+            torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-6)
+        if n == 0:
+            assert all(g.version == 1 and not g.provisional for g in STEP.last)  # not lowered again in it
+    assert remat.step_report().peak.peak <= limit
 
 def test_a_recompile_after_a_fit_says_the_fits_plans_do_not_reach_it():
     """A review: after remat.fit, one short batch makes Dynamo compile new graphs (dynamic sizes) with
