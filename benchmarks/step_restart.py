@@ -4,9 +4,10 @@ planned as a whole (a whole-step limit, a fraction peak_budget: remat_fx/step.py
 Each variant runs in two fresh processes sharing new Inductor and remat cache folders, on
 benchmarks/step.py's model (blocks with a graph break halfway: a step of two graphs), Inductor, one
 thread. Each of the first three steps is timed (the first from ``torch.compile``; the step's own
-plan runs at the second step's first forward), with the first step's estimated peak (the plans it
-ran), then the measured peak of a later step (remat_fx.measure.step_peak_bytes) and its
-estimate. In the second process the step's record in the plan cache gives each graph its plan at
+plan runs at the second step's first forward), with the first step's measured peak
+(remat_fx.measure.step_peak_bytes: the profiler's memory timeline, around the first step, its
+compiles included) and estimate (the plans each call ran), then the measured peak of a later step
+and its estimate. In the second process the step's record in the plan cache gives each graph its plan at
 its first call (docs/step.md#a-jobs-next-process-the-steps-record).
 
     python benchmarks/step_restart.py --variants '{"peak_budget": 0.5}' '{"peak_budget": "80MiB"}' \\
@@ -46,15 +47,18 @@ def child(args) -> None:
         model.zero_grad(set_to_none=True)
         run(x).backward()
 
-    times, first = [], None
+    times, first, first_peak = [], None, None
     for _ in range(3):
-        step()
+        if first_peak is None:
+            first_peak = step_peak_bytes(step)
+        else:
+            step()
         times.append(time.perf_counter() - t0)
         first = first or remat.step_report().peak.peak  # the first step's estimate: the plans it ran
         t0 = time.perf_counter()
     peak = step_peak_bytes(step)
     plan = STEP.step_plan
-    print(json.dumps({"steps_s": times, "peak": peak, "first_estimate": first,
+    print(json.dumps({"steps_s": times, "peak": peak, "first_estimate": first, "first_peak": first_peak,
                       "estimate": remat.step_report().peak.peak,
                       "shared": None if plan is None else plan.fraction,
                       "from_cache": None if plan is None else plan.from_cache}))
@@ -73,8 +77,8 @@ def main() -> None:
     if args.child is not None:
         child(args)
         return
-    rows = ["| options | process | steps 1 / 2 / 3 s | first step's estimate MiB | measured peak MiB (estimate) | "
-            "shared budget | step's plan |", "|---|---:|---|---:|---|---:|---|"]
+    rows = ["| options | process | steps 1 / 2 / 3 s | first step: measured peak MiB (estimate) | later step: measured "
+            "peak MiB (estimate) | shared budget | step's plan |", "|---|---:|---|---|---|---:|---|"]
     for options in args.variants:
         with tempfile.TemporaryDirectory() as folder:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{folder}/inductor", REMAT_FX_CACHE_DIR=f"{folder}/remat",
@@ -87,9 +91,10 @@ def main() -> None:
                     raise SystemExit(f"{options}: {out.stderr[-3000:]}")
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 how = "-" if r["from_cache"] is None else "read from the plan cache" if r["from_cache"] else "searched"
+                mib = {k: f"{r[k] / 2**20:.2f}" for k in ("first_peak", "first_estimate", "peak", "estimate")}
                 rows.append(f"| `{options}` | {process} | {' / '.join(f'{t:.2f}' for t in r['steps_s'])} | "
-                            f"{r['first_estimate'] / 2**20:.2f} | {r['peak'] / 2**20:.2f} "
-                            f"({r['estimate'] / 2**20:.2f}) | {r['shared']} | {how} |")
+                            f"{mib['first_peak']} ({mib['first_estimate']}) | {mib['peak']} ({mib['estimate']}) | "
+                            f"{r['shared']} | {how} |")
                 print(rows[-1], flush=True)
     print("\n".join(rows))
 
