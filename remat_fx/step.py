@@ -12,9 +12,11 @@ backward, so a limit on one graph's memory is not a limit on the step's. This mo
   backwards in reverse order, each on top of what the earlier calls still hold and the parameter
   gradients the later ones made;
 * plans a whole-step ``peak_budget``: while the first step compiles, each graph gets what the calls
-  before it in the step leave of the limit; once the step has run, if its estimate is over the
-  limit (the first graphs took too much), every graph of the step is planned again with one shared
-  memory budget, the largest on a grid whose whole-step estimate fits (:func:`plan_step`);
+  before it in the step leave of the limit, and a graph called again is lowered at its least peak
+  for the rest of the step where the step would go over with as many calls again
+  (:func:`_hold_first_step`); once the step has run, if its estimate is over the limit (the first
+  graphs took too much), every graph of the step is planned again with one shared memory budget,
+  the largest on a grid whose whole-step estimate fits (:func:`plan_step`);
 * reports it: :func:`step_report`.
 
 The measured fit (``remat.fit``, remat_fx/measured_fit.py) uses the same pieces with measured peaks.
