@@ -1285,8 +1285,9 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
         graph.compile(per_graph)
     except (PeakInfeasible, BudgetInfeasible):  # the calls before it took the step's limit
         log.warning("remat_fx: the calls before graph %d in this step leave it less than its least plan needs "
-                    "(peak_budget %s, memory_budget %s left); it is lowered at its least estimated peak for now, and "
-                    "the step is planned again as a whole once it has run", graph.index,
+                    "(peak_budget %s, memory_budget %s left); it is lowered at its least estimated peak for now (at "
+                    "the plan the whole limit allows where that saves more than the whole memory_budget), and the "
+                    "step is planned again as a whole once it has run", graph.index,
                     "-" if per_graph.peak_budget is None else "nothing" if per_graph.peak_budget <= 1
                     else fmt_bytes(per_graph.peak_budget),
                     per_graph.memory_budget)
@@ -1399,7 +1400,7 @@ def _hold_first_step(graph: CompiledGraph) -> None:
     graph.first = first
     log.info("remat_fx: graph %d is called again in its first step (call %d of it): at the plan of its first call the "
              "step would go over its %s as far as it knows, so it is lowered at its least estimated peak (%s) for the "
-             "rest of this step; the step is planned as a whole when the next one begins",
+             "rest of this step; the step is looked at again when the next one begins",
              graph.index, times + 1, " and ".join(over), fmt_bytes(graph.plan.peak.step))
 
 
@@ -1598,6 +1599,8 @@ def _after_step(calls: List[CompiledGraph]) -> None:
         # whole-step limit, which is then not held (it was silent: the model's peak_budget, the loss
         # compiled apart without one, and the step's estimate 49% over the limit its report printed)
         STEP.planned[sig] = None
+        for g in dict.fromkeys(calls):  # a graph lowered at its least in its first step keeps it (no step's plan)
+            g.over, g.first = False, None
         limited = {g.index: _step_limits(g.options) for g in calls}
         if any(limited.values()):
             warnings.warn(
@@ -1605,7 +1608,8 @@ def _after_step(calls: List[CompiledGraph]) -> None:
                 + "; ".join(f"graph {i}: {text or 'no whole-step limit'}" for i, text in limited.items())
                 + "): a whole-step limit is planned for a step whose graphs share their options, so this one is "
                 "not held for the step (each graph was planned against what the graphs before it left, at their "
-                "first call only). Compile every graph of the step with the same options (the loss too).",
+                "first call only; one called again in the first step, at its least peak from the call where the "
+                "step would have gone over). Compile every graph of the step with the same options (the loss too).",
                 stacklevel=2)
         return
     STEP.planned[sig] = None
@@ -1712,11 +1716,12 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
         return plan_step(calls, limit=limit, saved_limit=saved_limit)
     except (PeakInfeasible, BudgetInfeasible):
         # a step within its limit as it ran, planned again because a graph was lowered at its least peak
-        # in the middle of its first step (_hold_first_step): no shared budget meets the limit (the graphs'
-        # first-call plans, each for what the calls before it left, are finer than the grid's), and the
-        # plans it runs now, each call at its graph's current plan, do (the graph called again runs its
-        # least at every call): kept (the first step went under the limit, the second raised it)
-        if exceeded or not any(g.provisional for g in calls) or not _fits_as_lowered(calls, limit, saved_limit):
+        # in its first step (_hold_first_step, or at its compile: what the calls before it left was too
+        # little): no shared budget meets the limit (the graphs' first-call plans, each for what the
+        # calls before it left, are finer than the grid's), and the plans it runs now, each call at its
+        # graph's current plan, do (a graph called again runs its least at every call): kept (the first
+        # step went under the limit, and the second raised it)
+        if exceeded or not _fits_as_lowered(calls, limit, saved_limit):
             raise
     for g in calls:
         g.over, g.first = False, None
@@ -2071,6 +2076,8 @@ class StepReport:
 
     @property
     def graphs(self) -> Dict[int, Plan]:
+        """Each graph of the step, with the plan of its last call in it (a graph lowered again in the
+        middle of its first step ran another before)."""
         return {i: plan for i, plan, _ in self.calls}
 
     @property

@@ -720,8 +720,8 @@ def test_a_graph_called_again_in_its_first_step_is_lowered_at_its_least_so_the_f
     assert 7 * (at_first.peak.saved + at_first.peak.held) > limit  # its first call's plan at every call: over
     switched = re.search(rf"graph {block} is called again in its first step \(call (\d) of it\): at the plan of its "
                          r"first call the step would go over its peak_budget .* as far as it knows, so it is lowered "
-                         r"at its least estimated peak \(.*\) for the rest of this step; the step is planned as a "
-                         r"whole when the next one begins", caplog.text)
+                         r"at its least estimated peak \(.*\) for the rest of this step; the step is looked at again "
+                         r"when the next one begins", caplog.text)
     assert switched, caplog.text
     k = int(switched.group(1))  # its calls are the step's 2nd to 8th
     assert all(plan is at_first for _, plan, _ in report.calls[1:k])  # the plan each call ran, in the report
@@ -804,6 +804,38 @@ def test_a_step_that_fits_at_its_first_calls_plans_runs_them_again_once_it_is_kn
     for got, want in zip(_grads(blocks), reference):
         torch.testing.assert_close(got, want)
 
+
+def test_a_step_of_graphs_of_other_options_keeps_the_least_its_first_step_lowered_and_says_so():
+    """A review: the loss compiled apart without the blocks' peak_budget, so the step is not planned as
+    a whole (said); the block graph lowered at its least in the first step stayed marked over, its
+    first call's lowering kept alive for good. It keeps its least (the nearer the limit), let go of the
+    rest, and the warning says so."""
+    blocks, make_step = _blocks_alone()
+    make_step({"lower": "eager"})()
+    limit = remat.step_report().peak.peak // 2
+    torch._dynamo.reset()
+    STEP.reset()
+    runs = [torch.compile(b, backend="remat", options={"lower": "eager", "peak_budget": limit}) for b in blocks]
+    loss = torch.compile(lambda h: h.square().mean(), backend="remat", options={"lower": "eager"})
+    x = torch.randn(8, 128, 64, generator=torch.Generator().manual_seed(1))
+
+    def step():
+        blocks.zero_grad(set_to_none=True)
+        h = x
+        for run in runs:
+            h = run(h)
+        loss(h).backward()
+
+    step()
+    block = STEP.last[1]
+    least = block.plan
+    assert block.provisional and block.over and block.first is not None
+    with pytest.warns(UserWarning, match=r"compiled with different options .* one called again in the first step, at "
+                                         r"its least peak from the call where the step would have gone over\)"):
+        step()
+    assert block.plan is least and not block.over and block.first is None
+    step()
+    assert block.plan is least and block.version == 2
 
 def test_a_graph_called_again_within_a_roomy_limit_keeps_its_first_calls_plan(caplog):
     """The same step under a limit its first call's plan meets at every call: nothing is lowered
@@ -1024,6 +1056,7 @@ def test_a_graph_some_of_whose_calls_are_checkpointed_is_not_lowered_again_in_it
         if n == 0:
             assert all(g.version == 1 and not g.provisional for g in STEP.last)  # not lowered again in it
     assert remat.step_report().peak.peak <= limit
+
 
 def test_a_recompile_after_a_fit_says_the_fits_plans_do_not_reach_it():
     """A review: after remat.fit, one short batch makes Dynamo compile new graphs (dynamic sizes) with
