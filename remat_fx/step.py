@@ -1390,6 +1390,8 @@ def _hold_first_step(graph: CompiledGraph) -> None:
     try:
         graph.relower(least)
     except Exception as e:  # noqa: BLE001 - the plan it has runs on (the step is planned as a whole next)
+        for k, v in first.items():  # as it was, whatever the failed lowering had set
+            setattr(graph, k, v)
         warnings.warn(f"remat_fx: lowering graph {graph.index} again at its least peak for the rest of its first step "
                       f"failed ({type(e).__name__}: {e}); it runs on with the plan of its first call. Please report "
                       f"this with the model.", stacklevel=3)
