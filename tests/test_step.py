@@ -837,6 +837,34 @@ def test_a_step_of_graphs_of_other_options_keeps_the_least_its_first_step_lowere
     step()
     assert block.plan is least and block.version == 2
 
+def test_a_graph_whose_lowering_at_its_least_fails_runs_on_as_it_was(monkeypatch):
+    """A failure lowering a graph again at its least in the middle of its first step is said, and the
+    graph runs on with its first call's lowering, whatever the failed lowering had set."""
+    from remat_fx.step import CompiledGraph
+
+    blocks, make_step = _blocks_alone()
+    make_step(None)()
+    reference = _grads(blocks)
+    make_step({"lower": "eager"})()
+    limit = remat.step_report().peak.peak // 2
+    torch._dynamo.reset()
+    STEP.reset()
+
+    def broken(self, options, aot=True):
+        self.plan, self.fn = None, None  # what a lowering failing half-way may have set
+        raise RuntimeError("lowering failed")
+
+    monkeypatch.setattr(CompiledGraph, "relower", broken)
+    step = make_step({"lower": "eager", "peak_budget": limit})
+    with pytest.warns(UserWarning, match=r"lowering graph \d+ again at its least peak for the rest of its first step "
+                                         r"failed \(RuntimeError: lowering failed\); it runs on with the plan of its "
+                                         r"first call"):
+        step()
+    for got, want in zip(_grads(blocks), reference):
+        torch.testing.assert_close(got, want)
+    block = STEP.last[1]
+    assert block.plan is not None and block.version == 1 and not block.over and block.first is None
+
 def test_a_graph_called_again_within_a_roomy_limit_keeps_its_first_calls_plan(caplog):
     """The same step under a limit its first call's plan meets at every call: nothing is lowered
     again, in the first step or after it."""
