@@ -140,8 +140,14 @@ def ran_plans(calls: Sequence["CompiledGraph"], ios) -> List[Plan]:
     it ran (a graph lowered again in the middle of its first step runs another from there:
     :func:`_hold_first_step`)."""
     if ios is not None and len(ios) == len(calls):
-        return [getattr(io, "plan", None) or g.plan for g, io in zip(calls, ios)]
+        return [_ran(g, io) for g, io in zip(calls, ios)]
     return [g.plan for g in calls]
+
+
+def _ran(graph: "CompiledGraph", io) -> Plan:
+    """The plan ``graph`` ran the call recorded by ``io`` under (a settled call's light record has none:
+    its graph's)."""
+    return getattr(io, "plan", None) or graph.plan
 
 
 def call_cost(plan: Plan, grads: int) -> CallCost:
@@ -958,7 +964,7 @@ class _Step:
         are still alive is noted (released_bytes)."""
         if not self.backward_began:
             live = [c for c in self.calls if c[1]() is not None]
-            ran = [getattr(io, "plan", None) or g.plan for g, _, io in live]
+            ran = [_ran(g, io) for g, _, io in live]
             if any(p is not None and p.rerun is not None and p.rerun.shortenable for p in ran):
                 # a backward still to compile may drop reruns by what this step frees (backward_limit);
                 # on the step that compiles, Dynamo's tracing leaves reference cycles holding values it
@@ -1064,7 +1070,7 @@ class _Step:
 
     def current_runs(self) -> List[Tuple[CompiledGraph, Plan]]:
         """The calls of the step in progress with a plan, each with the plan it ran under."""
-        return [(g, getattr(io, "plan", None) or g.plan) for g, io in self._current_ios() if g.plan is not None]
+        return [(g, _ran(g, io)) for g, io in self._current_ios() if g.plan is not None]
 
     def _current_ios(self) -> List[tuple]:
         return [] if self.backward_began else [(g, io) for g, ref, io in self.calls if ref() is not None]
@@ -1666,8 +1672,7 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
     if recorded is not None:
         # planned so when this step was first planned, and its graphs were compiled so: a byte limit is
         # checked on this step's estimate (planned again if over it), a fraction taken as it was resolved
-        fits = limit is None or step_peak(step_costs(calls, STEP.io_of(calls)), *_released(calls),
-                                          _sharding(calls)).peak <= limit
+        fits = limit is None or step_estimate(calls) <= limit
         if fits and (saved_limit is None or sum(g.plan.total_bytes for g in calls) <= saved_limit):
             STEP.planned[_signature(calls)] = recorded.fraction
             STEP.step_plan = recorded
@@ -1677,9 +1682,8 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
             return recorded
     if limit is None and opts.step_peak is not None:
         return plan_step(calls, fraction=opts.step_peak.fraction, saved_limit=saved_limit)
-    ios = STEP.io_of(calls)
-    estimated = step_peak(step_costs(calls, ios), *_released(calls), _sharding(calls)).peak
-    saved = sum(p.total_bytes for p in ran_plans(calls, ios))
+    estimated = step_estimate(calls)
+    saved = sum(p.total_bytes for p in ran_plans(calls, STEP.io_of(calls)))
     exceeded = (limit is not None and estimated > limit) or (saved_limit is not None and saved > saved_limit)
     if exceeded:
         # said: its graphs were each planned at their first call, before the step was known (a graph
@@ -1701,8 +1705,7 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
         # runs that lowering again (kept), as before the step was looked at in its first step (which saw a
         # graph break in a loop of 8 blocks 2.1x over the limit it holds now)
         at_first = lambda g: g.first["plan"] if g in switched else g.plan  # noqa: E731
-        peak = step_peak(step_costs(calls, STEP.io_of(calls), at_first), *_released(calls, at_first),
-                         _sharding(calls)).peak
+        peak = step_estimate(calls, at_first)
         if (limit is None or peak <= limit) and \
                 (saved_limit is None or sum(at_first(g).total_bytes for g in calls) <= saved_limit):
             for g in switched:
@@ -1723,25 +1726,15 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
         # calls before it left, are finer than the grid's), and the plans it runs now, each call at its
         # graph's current plan, do (a graph called again runs its least at every call): kept (the first
         # step went under the limit, and the second raised it)
-        if exceeded or not _fits_as_lowered(calls, limit, saved_limit):
+        peak = step_estimate(calls, lambda g: g.plan)  # each call at its graph's current plan
+        if exceeded or (limit is not None and peak > limit) or \
+                (saved_limit is not None and sum(g.plan.total_bytes for g in calls) > saved_limit):
             raise
     for g in calls:
         g.over, g.first = False, None
     log.info("remat_fx: no shared memory budget holds the step within its %s; the plans its graphs run now do "
-             "(estimated step peak %s), and are kept", _step_limits(opts), fmt_bytes(_as_lowered(calls)))
+             "(estimated step peak %s), and are kept", _step_limits(opts), fmt_bytes(peak))
     return None
-
-
-def _as_lowered(calls: Sequence[CompiledGraph]) -> int:
-    """The last step's estimated peak with each call at its graph's current plan."""
-    current = lambda g: g.plan  # noqa: E731
-    return step_peak(step_costs(calls, STEP.io_of(calls), current), *_released(calls, current),
-                     _sharding(calls)).peak
-
-
-def _fits_as_lowered(calls: Sequence[CompiledGraph], limit: Optional[int], saved_limit: Optional[int]) -> bool:
-    return (limit is None or _as_lowered(calls) <= limit) and \
-        (saved_limit is None or sum(g.plan.total_bytes for g in calls) <= saved_limit)
 
 
 @dataclass
@@ -1796,7 +1789,6 @@ def estimate_curve(calls: Sequence[CompiledGraph], fractions: Optional[Sequence]
     """{shared memory budget: (whole-step estimated peak, whole-step saved bytes)}, re-partitioning
     each graph's joint graph (no lowering); stops after the first for which ``stop(peak, saved)``."""
     graphs = list(dict.fromkeys(calls))
-    ios = STEP.io_of(calls)
     curve: Dict[Optional[float], Tuple[int, int]] = {}
     for f in candidates(calls[0].options) if fractions is None else fractions:
         t0 = time.perf_counter()
@@ -1804,9 +1796,7 @@ def estimate_curve(calls: Sequence[CompiledGraph], fractions: Optional[Sequence]
         for g in graphs:
             plan = plans[g] = g.estimate(shared_options(g.options, f))
             saved[g] = plan.total_bytes
-        curve[f] = (step_peak(step_costs(calls, ios, plans.__getitem__), *_released(calls, plans.__getitem__),
-                              _sharding(calls)).peak,
-                    sum(saved[g] for g in calls))
+        curve[f] = (step_estimate(calls, plans.__getitem__), sum(saved[g] for g in calls))
         log.info("remat_fx: step of %d calls of %d graphs, shared memory_budget %s: estimated peak %s, saved %s "
                  "(%.1f s)", len(calls), len(graphs), "-" if f is None else f"{f:g}", fmt_bytes(curve[f][0]),
                  fmt_bytes(curve[f][1]), time.perf_counter() - t0)
@@ -1949,8 +1939,6 @@ def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
               if g.plan is not None and g.plan.budget is not None and g.plan.budget.solver != "none" and not g._kept()]
     if not graphs:
         return None
-    ios = STEP.io_of(calls)
-    sharding = _sharding(calls)
     own = {g: g.plan for g in calls}
     # a graph lowered with another budget's plan from a step record that this step is not (another loss,
     # another call order): its own plan is its plan under its own options, lowered back where kept
@@ -1964,8 +1952,7 @@ def hold_step(calls: List[CompiledGraph]) -> Optional[StepHold]:
     held: Dict[Tuple[float, Optional[int]], Tuple[int, Dict[CompiledGraph, Plan]]] = {}
 
     def step_of(chosen: Dict[CompiledGraph, Plan]) -> int:
-        plan_of = lambda g: chosen.get(g, own[g])  # noqa: E731
-        return step_peak(step_costs(calls, ios, plan_of), *_released(calls, plan_of), sharding).peak
+        return step_estimate(calls, lambda g: chosen.get(g, own[g]))
 
     def plans_at(level: float) -> Dict[CompiledGraph, Plan]:
         if level not in plans:
@@ -2132,6 +2119,12 @@ def step_report() -> StepReport:
     return StepReport([(g.index, p, c) for g, p, c in zip(calls, ran_plans(calls, ios), costs)],
                       step_peak(costs, released, later, sharding) if calls else None, limit, released, later,
                       sharding, held)
+
+
+def step_estimate(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[CompiledGraph], Plan]] = None) -> int:
+    """The last step's ``calls`` estimated peak under ``plan_of`` (candidate plans; by default the ones
+    the calls ran), with what its run-time record saw freed and gathered."""
+    return step_peak(step_costs(calls, STEP.io_of(calls), plan_of), *_released(calls, plan_of), _sharding(calls)).peak
 
 
 def _released(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[CompiledGraph], Plan]] = None):
