@@ -32,7 +32,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -1348,8 +1348,8 @@ def _hold_first_step(graph: CompiledGraph) -> None:
     graph break in a loop of 8 blocks went 2.1x over a peak_budget of 80 MiB in its first step
     (benchmarks/step.py's model, 168.50 MiB estimated; 70.31 now). What the calls before it hold
     already is not given back: a limit they have taken is met from the next step."""
-    if graph.provisional or graph.over or graph.step_record is not None or graph.cached is not None or \
-            graph.fit_limit is not None or STEP.leaves is not None or graph._kept():
+    if graph.provisional or graph.over or graph.cached is not None or graph.fit_limit is not None or \
+            STEP.leaves is not None or graph._kept():
         return
     # looked at where its calls in the step so far are a power of two (1, 2, 4, ...): each look covers
     # the step up to twice its calls, so the first step costs O(n log n) in its calls, not O(n^2)
@@ -1357,6 +1357,10 @@ def _hold_first_step(graph: CompiledGraph) -> None:
     calls = calls + 1 if number == STEP.number else 1
     graph.first_looks = (STEP.number, calls)
     if calls < 2 or (calls - 1) & (calls - 2):
+        return
+    if graph.step_record is not None and graph.step_record["calls"].count(graph.key) >= calls:
+        # compiled from the plan cache's record of a step that called it at least this often: that step's
+        # plans for it (its record is checked once the step has run, _recorded)
         return
     options = graph.options
     limit = step_limit(options)
@@ -1659,14 +1663,20 @@ def _after_step(calls: List[CompiledGraph]) -> None:
     except BaseException:
         STEP.planned.pop(sig, None)  # interrupted (Ctrl-C, an error lowering again): planned at the next step
         raise
+    # kept for the next process once every rank has planned its step (a rank that failed fails them all)
     if isinstance(planned, StepPlan) and not planned.from_cache:
-        # kept for the next process once every rank has planned its step (a rank that failed fails them all)
         _keep_step(calls, "plan", {g: planned.fraction for g in calls}, planned.record())
+    elif isinstance(planned, StepKept):
+        # a graph lowered again in its first step and taken back, or kept at its least: the next process
+        # lowers each graph at its first call as this step runs it (it lowered them again in its first
+        # step, and took them back, at every start of the job)
+        _keep_step(calls, "kept", planned.choice, planned.record())
 
 
 def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limit: Optional[int]
-                    ) -> Optional[StepPlan]:
-    """The step planned as a whole where it needs it (its StepPlan), else None."""
+                    ) -> Optional[Union["StepPlan", "StepKept"]]:
+    """The step planned as a whole where it needs it (its StepPlan); a StepKept where it keeps the
+    plans it runs, after a graph was lowered again in its first step; else None."""
     limit = step_limit(opts)
     recorded = _recorded(calls, "plan")
     if recorded is not None:
@@ -1714,7 +1724,7 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
                      "peak %s): graph(s) %s, lowered at their least for the rest of the first step, run their first "
                      "call's lowering again", _step_limits(opts), fmt_bytes(peak),
                      ", ".join(str(g.index) for g in switched))
-            return None
+            return StepKept(_as_lowered(calls), peak)
     if not (exceeded or any(g.over for g in calls)):
         return None
     try:
@@ -1734,7 +1744,29 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
         g.over, g.first = False, None
     log.info("remat_fx: no shared memory budget holds the step within its %s; the plans its graphs run now do "
              "(estimated step peak %s), and are kept", _step_limits(opts), fmt_bytes(peak))
-    return None
+    return StepKept(_as_lowered(calls), peak)
+
+
+def _as_lowered(calls: Sequence[CompiledGraph]) -> Dict[CompiledGraph, object]:
+    """How each graph of a step is lowered now, as its step record gives it to the next process: at the
+    step's shared budget 0 (lowered at its least in its first step, or at its compile for what the calls
+    before it left), or "own" (as at its first call)."""
+    return {g: 0.0 if g.active is not None and g.active.key() == shared_options(g.options, 0.0).key() else "own"
+            for g in calls}
+
+
+@dataclass
+class StepKept:
+    """A step that keeps the plans its graphs run, planned with no shared budget (_plan_if_needed: the
+    first calls' lowerings taken back, or no shared budget fits and those it runs do): the choice its
+    record gives the next process's graphs at their first call, so that it does not lower them again
+    in its first step (each graph: 0.0, the step's shared budget 0, or "own")."""
+
+    choice: Dict[CompiledGraph, object]
+    estimate: int
+
+    def record(self) -> dict:
+        return {"estimate": self.estimate}
 
 
 @dataclass

@@ -805,6 +805,120 @@ def test_a_step_that_fits_at_its_first_calls_plans_runs_them_again_once_it_is_kn
         torch.testing.assert_close(got, want)
 
 
+def _three_blocks_between(tmp_path, monkeypatch):
+    """_blocks_alone(n=3) under a peak_budget between the step at its first calls' plans and that step
+    with the block graph called once more, the plan cache on in ``tmp_path``: the next "process"
+    (torch._dynamo.reset(), STEP.reset()) reads what the first wrote."""
+    monkeypatch.setenv("REMAT_FX_PLAN_CACHE", "1")
+    monkeypatch.setenv("REMAT_FX_CACHE_DIR", str(tmp_path))
+    blocks, make_step = _blocks_alone(n=3)
+    make_step(None)()
+    reference = _grads(blocks)
+    make_step({"lower": "eager"})()
+    costs = [g.cost for g in STEP.last]
+    fits = remat.step_report().peak.peak
+    limit = (fits + step_peak(costs + costs[1:2]).peak) // 2
+
+    def process():
+        torch._dynamo.reset()
+        STEP.reset()
+        return make_step({"lower": "eager", "peak_budget": limit})
+
+    return blocks, reference, limit, process
+
+
+def test_a_step_that_took_its_first_calls_plans_back_is_recorded_so_the_next_process_lowers_nothing_again(
+        tmp_path, monkeypatch, caplog):
+    """The step that took its first calls' lowerings back (above) writes its record to the plan cache:
+    the next process compiles each graph as at its first call and does not lower the block graph again
+    in its first step (it did, and took it back, at every start of the job); the same plans and
+    gradients."""
+    import logging
+
+    blocks, reference, limit, process = _three_blocks_between(tmp_path, monkeypatch)
+    step = process()
+    for _ in range(3):
+        step()
+    first = [(g.key, g.plan.total_bytes, g.plan.peak.step) for g in STEP.last]
+    assert STEP.last[1].version == 3  # lowered at its least, then its first lowering taken back
+    caplog.clear()  # its log
+    step = process()
+    with caplog.at_level(logging.INFO, logger="remat_fx"):
+        for _ in range(3):
+            step()
+    assert "called again in its first step" not in caplog.text and "fits its" not in caplog.text, caplog.text
+    assert [g.version for g in dict.fromkeys(STEP.last)] == [1, 1]  # each lowered once
+    assert [(g.key, g.plan.total_bytes, g.plan.peak.step) for g in STEP.last] == first
+    assert STEP.step_plan is None and remat.step_report().peak.peak <= limit
+    for got, want in zip(_grads(blocks), reference):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_step_that_keeps_the_least_it_lowered_in_its_first_step_is_recorded_at_it(tmp_path, monkeypatch, caplog):
+    """The step that keeps the plans it runs, a graph at its least (no shared budget fits): its record
+    gives the next process's block graph its least at its first call, lowered once; the others as at
+    their first call."""
+    import logging
+
+    from remat_fx import step as step_module
+
+    blocks, reference, limit, process = _three_blocks_between(tmp_path, monkeypatch)
+
+    def nothing_fits(calls, limit=None, **_):
+        raise PeakInfeasible(f"remat_fx: peak_budget {limit} for the whole step is below every plan found")
+
+    real = step_module.step_estimate
+    monkeypatch.setattr(step_module, "plan_step", nothing_fits)
+    # the first calls' plans over the limit once the step is known: kept at the least, not taken back
+    monkeypatch.setattr(step_module, "step_estimate",
+                        lambda calls, plan_of=None: real(calls, plan_of) + (limit if plan_of is not None and any(
+                            plan_of(g) is not g.plan for g in calls) else 0))
+    step = process()
+    with caplog.at_level(logging.INFO, logger="remat_fx"):
+        for _ in range(3):
+            step()
+    assert "the plans its graphs run now do" in caplog.text, caplog.text
+    first = [(g.key, g.plan.total_bytes) for g in STEP.last]
+    least = STEP.last[1].plan
+    caplog.clear()  # its log
+    step = process()
+    with caplog.at_level(logging.INFO, logger="remat_fx"):
+        for _ in range(3):
+            step()
+    block = STEP.last[1]
+    assert re.search(rf"graph {block.index} is compiled as its step was planned when first run \(shared memory_budget "
+                     rf"0", caplog.text), caplog.text
+    assert "called again in its first step" not in caplog.text and "are kept" not in caplog.text, caplog.text
+    assert [g.version for g in dict.fromkeys(STEP.last)] == [1, 1]
+    assert [(g.key, g.plan.total_bytes) for g in STEP.last] == first and block.plan.peak.step == least.peak.step
+    assert remat.step_report().peak.peak <= limit
+    for got, want in zip(_grads(blocks), reference):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_step_that_calls_a_graph_more_often_than_its_record_is_still_held_in_its_first_step(
+        tmp_path, monkeypatch, caplog):
+    """A graph compiled from the record of a step that called it twice, in a step that calls it more
+    often (another depth, the same block): the record does not cover those calls, and the graph is
+    lowered at its least where the step would go over, as without a record."""
+    import logging
+
+    _, _, limit, process = _three_blocks_between(tmp_path, monkeypatch)
+    step = process()
+    for _ in range(2):
+        step()  # recorded: the block graph called twice, at its first call's plan
+    caplog.clear()  # its log
+    _, make_deeper = _blocks_alone(n=5)  # its first three blocks those of the step recorded
+    torch._dynamo.reset()
+    STEP.reset()
+    run = make_deeper({"lower": "eager", "peak_budget": limit})
+    with caplog.at_level(logging.INFO, logger="remat_fx"):
+        run()
+    assert STEP.last[1].step_record is not None  # compiled from the record
+    assert re.search(r"is called again in its first step \(call 3 of it\)", caplog.text), caplog.text
+    assert "call 2 of it" not in caplog.text  # the record covers two calls
+
+
 def test_a_step_of_graphs_of_other_options_keeps_the_least_its_first_step_lowered_and_says_so():
     """A review: the loss compiled apart without the blocks' peak_budget, so the step is not planned as
     a whole (said); the block graph lowered at its least in the first step stayed marked over, its
