@@ -8,7 +8,8 @@ plan runs at the second step's first forward), with the first step's measured pe
 (remat_fx.measure.step_peak_bytes: the profiler's memory timeline, around the first step, its
 compiles included) and estimate (the plans each call ran), then the measured peak of a later step
 and its estimate. In the second process the step's record in the plan cache gives each graph its plan at
-its first call (docs/step.md#a-jobs-next-process-the-steps-record).
+its first call (docs/step.md#a-jobs-next-process-the-steps-record). The last column counts the
+lowerings of the step's graphs in the process (a graph lowered again counts again).
 
     python benchmarks/step_restart.py --variants '{"peak_budget": 0.5}' '{"peak_budget": "80MiB"}' \\
         '{"memory_budget": "30MiB"}'
@@ -35,7 +36,11 @@ def child(args) -> None:
     import remat_fx as remat
     from benchmarks.step import Model
     from remat_fx.measure import step_peak_bytes
-    from remat_fx.step import STEP
+    from remat_fx.step import STEP, CompiledGraph
+
+    lowered = []  # each lowering of a graph in this process (a compile, or a lowering again)
+    lower = CompiledGraph._lower
+    CompiledGraph._lower = lambda self, *a, **k: lowered.append(self.index) or lower(self, *a, **k)
 
     torch.manual_seed(0)
     model = Model(args.d_model, args.layers)
@@ -61,7 +66,8 @@ def child(args) -> None:
     print(json.dumps({"steps_s": times, "peak": peak, "first_estimate": first, "first_peak": first_peak,
                       "estimate": remat.step_report().peak.peak,
                       "shared": None if plan is None else plan.fraction,
-                      "from_cache": None if plan is None else plan.from_cache}))
+                      "from_cache": None if plan is None else plan.from_cache,
+                      "lowerings": len(lowered)}))
 
 
 def main() -> None:
@@ -78,7 +84,7 @@ def main() -> None:
         child(args)
         return
     rows = ["| options | process | steps 1 / 2 / 3 s | first step: measured peak MiB (estimate) | later step: measured "
-            "peak MiB (estimate) | shared budget | step's plan |", "|---|---:|---|---|---|---:|---|"]
+            "peak MiB (estimate) | shared budget | step's plan | lowerings |", "|---|---:|---|---|---|---:|---|---:|"]
     for options in args.variants:
         with tempfile.TemporaryDirectory() as folder:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{folder}/inductor", REMAT_FX_CACHE_DIR=f"{folder}/remat",
@@ -94,7 +100,7 @@ def main() -> None:
                 mib = {k: f"{r[k] / 2**20:.2f}" for k in ("first_peak", "first_estimate", "peak", "estimate")}
                 rows.append(f"| `{options}` | {process} | {' / '.join(f'{t:.2f}' for t in r['steps_s'])} | "
                             f"{mib['first_peak']} ({mib['first_estimate']}) | {mib['peak']} ({mib['estimate']}) | "
-                            f"{r['shared']} | {how} |")
+                            f"{r['shared']} | {how} | {r['lowerings']} |")
                 print(rows[-1], flush=True)
     print("\n".join(rows))
 
