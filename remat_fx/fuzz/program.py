@@ -455,7 +455,10 @@ def _op_lines(p: Program, o: Op, plain: bool) -> List[str]:
         args = f"{', '.join(heads)}, dropout_p={o.arg['p']}, is_causal={o.arg['causal']}"
         return [f"{out} = {_call(o, 'F.scaled_dot_product_attention', args, plain)}.transpose(1, 2).reshape({B}, {T}, {D})"]
     if kind == "dropout":
-        return call("F.dropout", f"{a}, p={o.arg['p']}, training=True")
+        # on a contiguous input: its mask is drawn in memory order, and a compiled run may lay a value out
+        # otherwise than eager (a checkpoint region split by graph breaks returns eager's strides, the
+        # reference's graph a contiguous tensor): the same random stream, another mask (case 11748)
+        return call("F.dropout", f"{a}.contiguous(), p={o.arg['p']}, training=True")
     if kind in ("gelu", "silu", "relu"):
         return call(f"F.{kind}", a)
     if kind in ("tanh", "sigmoid"):
