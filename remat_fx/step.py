@@ -875,8 +875,11 @@ class _Step:
     def enter(self, graph: CompiledGraph) -> None:
         if self.backward_began:  # the first forward after a backward: a new step
             # a graph never called before, compiled after every graph of the last step (a recompile after
-            # torch._dynamo.reset() or under other options, a new batch size): the last step is not this
-            # one's to plan now (it raised the old compile's limit error in the new model's first forward)
+            # torch._dynamo.reset() or under other options, a new batch size, another model): the last step
+            # is planned, but a limit it cannot meet is not raised into this step's first forward (it raised
+            # the old compile's limit error in the new model's first forward); it is raised where that step
+            # runs again. (It was not planned at all until it ran again: a job alternating two step shapes,
+            # or two models, ran each shape's second step at its first calls' plans, over the limit.)
             newer = not graph.entered and all(graph.index > g.index for g in self.last)
             self.calls, self.made, self.made_storages, self.backward_began = [], {}, {}, False
             self.number += 1
@@ -885,13 +888,22 @@ class _Step:
                 self.auto[self.number] = auto_limit()  # at the step's start, before its first forward
             # nor while remat.fit runs the step to collect it (it plans the step itself: a step refused
             # before, which each later step is, must not refuse the fit that measures a way out of it)
-            if not newer and self.leaves is None:
+            if self.leaves is None:
                 try:
                     _after_step(self.last)  # the last step planned as a whole, against this step's reading
+                except (PeakInfeasible, BudgetInfeasible) as e:
+                    if not newer:
+                        # this step has not begun: its next first forward refuses the last one again; it ran
+                        # on otherwise, every other step over a limit no plan meets, silently (a review)
+                        self.backward_began = True
+                        raise
+                    # kept for that step (STEP.planned), and raised once it has run again
+                    log.warning("remat_fx: the last step (graphs %s) has no plan within its limit; this step "
+                                "calls a graph new to the job, so it is said when that step runs again: %s",
+                                ", ".join(str(g.index) for g in dict.fromkeys(self.last)),
+                                str(e).splitlines()[0])
                 except BaseException:
-                    # this step has not begun: its next first forward plans (or refuses) the last one again;
-                    # it ran on otherwise, every other step over a limit no plan meets, silently (a review)
-                    self.backward_began = True
+                    self.backward_began = True  # planned at the next first forward
                     raise
             self.settle()
         graph.entered = True
