@@ -38,6 +38,7 @@ import torch.utils._pytree as pytree
 
 from remat_fx.memory_budget import Budget
 from remat_fx.naming import META_KEYS
+from remat_fx.sizes import sizes_key
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent
 _TAG_META = ("nn_module_stack", "custom", "recompute", "ac_graph_id")  # what passes/tag.py and naming read
@@ -185,7 +186,7 @@ def entry(joint_gm: fx.GraphModule, num_fwd_outputs: int, static_lifetime_input_
     """The cache entry of a joint graph partitioned with these arguments and options."""
     digest = hashlib.sha256()
     digest.update(repr((torch.__version__, source_digest(), options.key(), num_fwd_outputs,
-                        tuple(static_lifetime_input_indices or ()))).encode())
+                        tuple(static_lifetime_input_indices or ()), sizes_key())).encode())
     for node in joint_gm.graph.nodes:
         digest.update(repr((node.op, node.name, str(node.target), str(node.args), str(node.kwargs))).encode())
         digest.update(_value(node.meta.get("val")).encode())

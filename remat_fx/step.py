@@ -43,6 +43,7 @@ from remat_fx import plan_cache
 from remat_fx.memory_budget import Budget, fmt_bytes
 from remat_fx.options import BackendOptions
 from remat_fx.runtime.torch_compat import current_graph_task, saved_tensors_hooked, storage_key, storage_ref
+from remat_fx.sizes import sizes_at
 from remat_fx.passes import partition as _partition
 from remat_fx.passes.budget import BudgetInfeasible
 from remat_fx.passes import lower as _lower_module
@@ -331,11 +332,11 @@ def _symbolic(value) -> bool:
 _SIZES_SAID: set = set()  # (step, sizes over, limit) warned of: once a step, not once per graph of it
 
 
-def _planned_sizes(gm: fx.GraphModule) -> List[Tuple[int, Optional[int], str, int]]:
-    """(input, dim or None for a size input, name, size planned at) for each size of ``gm``'s inputs that is
-    a symbol with a hint (Dynamo's dynamic shapes; the hint is the compiling call's value): a tensor's
-    dims, and a size input (Dynamo passes a tensor's symbolic size as an int too) only where no tensor
-    dim is that symbol."""
+def _planned_sizes(gm: fx.GraphModule) -> List[Tuple[int, Optional[int], str, int, object]]:
+    """(input, dim or None for a size input, name, size planned at, its symbolic expression) for each
+    size of ``gm``'s inputs that is a symbol with a hint (Dynamo's dynamic shapes; the hint is the
+    compiling call's value): a tensor's dims, and a size input (Dynamo passes a tensor's symbolic size
+    as an int too) only where no tensor dim is that symbol."""
     tensors, sizes, seen = [], [], set()
     for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
         value = node.meta.get("example_value")
@@ -350,7 +351,7 @@ def _planned_sizes(gm: fx.GraphModule) -> List[Tuple[int, Optional[int], str, in
         if hint is None or (dim is None and size.node.expr in seen):
             continue
         seen.add(size.node.expr)
-        found.append((i, dim, name, int(hint)))
+        found.append((i, dim, name, int(hint), size.node.expr))
     return found
 
 
@@ -378,6 +379,9 @@ class CompiledGraph:
         # size); a call over them is over what a byte limit was planned for (_over_planned_sizes)
         self.planned_sizes = _planned_sizes(self.pristine) if self.dynamic else []
         self.size_warned = False
+        # where it was called at larger sizes than its compile's under a whole-step byte limit: the sizes
+        # its plans are made at from then on (symbol -> size; remat_fx/sizes.py), not its compile's
+        self.planned_at: Dict[object, int] = {}
         self.entered = False  # a call of it has entered a step (_Step.enter)
         # its parameters (a graph compiled on a fitted graph's parameters after remat.fit: _compile_graph)
         self.param_ids = frozenset(id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter))
@@ -415,12 +419,13 @@ class CompiledGraph:
     def compile(self, options: BackendOptions, aot: bool = True) -> None:
         t0 = time.perf_counter()
         record = self._aot_record(options) if aot else None
-        fn = self._lower(options, record)
-        if fn is None:  # a hit in AOTAutograd's cache without the plan's record: traced and partitioned again
-            log.info("remat_fx: graph %d was found in AOTAutograd's cache but its plan was not (%s): compiled "
-                     "again without that cache", self.index, record)
-            self.gm = _copy_dynamo_graph(self.pristine)
-            fn = self._lower(options, record, lookup=False)  # the record written again
+        with sizes_at(self.planned_at):
+            fn = self._lower(options, record)
+            if fn is None:  # a hit in AOTAutograd's cache without the plan's record: traced and partitioned again
+                log.info("remat_fx: graph %d was found in AOTAutograd's cache but its plan was not (%s): compiled "
+                         "again without that cache", self.index, record)
+                self.gm = _copy_dynamo_graph(self.pristine)
+                fn = self._lower(options, record, lookup=False)  # the record written again
         self.fn, self.active = fn, options
         self.provisional, self.first = False, None
         self.version += 1
@@ -446,8 +451,8 @@ class CompiledGraph:
         Inductor's schedule is the one cached (passes/lower.py _lower_within_peak)."""
         from remat_fx import measured_fit as _fit
 
-        if not plan_cache.enabled(options) or options.lower != "inductor" or _fit.searching():
-            return None
+        if not plan_cache.enabled(options) or options.lower != "inductor" or _fit.searching() or self.planned_at:
+            return None  # (planned at other sizes than its compile's: a plan the cache's key does not tell apart)
         return plan_cache.graph_record(self.key, options, self.global_state)
 
     def _lower(self, options: BackendOptions, record, lookup: bool = True):
@@ -561,7 +566,7 @@ class CompiledGraph:
         if self.joint is None:  # loaded from AOTAutograd's cache: traced and partitioned again
             self.relower(self.active, aot=False)
         gm, joint_inputs, kwargs = self.joint
-        with _tracing(joint_inputs), unrecorded():  # not the compiled graph's plan: remat.last_plan() unchanged
+        with _tracing(joint_inputs), unrecorded(), sizes_at(self.planned_at):  # remat.last_plan() unchanged
             _partition.partition(gm, joint_inputs, options=options, **kwargs)
             return last_plan()
 
@@ -603,25 +608,44 @@ class CompiledGraph:
         return out
 
     def _over_planned_sizes(self, args) -> None:
-        """Warn (once) where a graph of dynamic sizes, planned under a byte limit at the sizes of the
-        call that compiled it, is called at larger ones: what it saves grows with them, so the limit
-        was not planned for this call."""
-        over = []
-        for i, dim, name, size in self.planned_sizes:
+        """Where a graph of dynamic sizes, planned under a byte limit at the sizes of the call that
+        compiled it, is called at larger ones: what it saves grows with them, so the limit was not
+        planned for this call. Under a whole-step byte limit its plans are made at the larger sizes
+        from then on, and the step is planned again when the next one begins (a short batch made
+        Dynamo compile graphs of dynamic sizes at its size, and every full batch after it went 33%
+        over the limit, while the step's report estimated it under: a review); it is said each time
+        the sizes grow. Under remat.fit's limit (its plans measured at its example's sizes) it is
+        said once."""
+        over, grown = [], {}
+        for k, (i, dim, name, size, expr) in enumerate(self.planned_sizes):
             if i >= len(args):
                 continue
             arg = args[i]
             now = arg if dim is None else (arg.shape[dim] if isinstance(arg, torch.Tensor) else None)
             if isinstance(now, int) and now > size:
                 over.append(f"{name}: {size} -> {now}")
+                grown[k] = now
         if not over:
             return
         # the user's options (a whole-step plan lowers it with the step's limits taken off); byte limits only
-        self.size_warned = True  # said once, or nothing to say: the sizes are not checked again
+        self.size_warned = True  # said, or nothing to say: the sizes are not checked again
+        again = False
         if self.fit_limit is not None:
             limit = f"remat.fit peak {fmt_bytes(self.fit_limit)}"
         elif step_limit_given(self.options) is not None:
             limit = _step_limits(self.options, bytes_only=True)
+            if not self._kept():  # lowered again from Dynamo's symbolic inputs: at any size
+                for k, now in grown.items():
+                    i, dim, name, _, expr = self.planned_sizes[k]
+                    self.planned_sizes[k] = (i, dim, name, now, expr)
+                # every symbol of its inputs at a size (a size of several, s0 * s1, at none read at its hint)
+                self.planned_at = {expr: size for _, _, _, size, expr in self.planned_sizes
+                                   if getattr(expr, "is_Symbol", False)}
+                self.size_warned = False  # said again if they grow again
+                self.over = True
+                for sig in [sig for sig in STEP.planned if self.index in sig]:
+                    del STEP.planned[sig]  # planned again at these sizes
+                again = True
         else:
             return
         said = (STEP.number, ", ".join(over), limit)
@@ -629,13 +653,15 @@ class CompiledGraph:
             return
         _SIZES_SAID.clear()
         _SIZES_SAID.add(said)
+        fix = ("ake the call that compiles it (or remat.fit's example) the largest batch and sequence the job runs, or "
+               "pad batches to one size (a short last batch: drop it, DataLoader(drop_last=True), or pad it; after it "
+               "Dynamo compiles a graph of dynamic sizes at its size).")
+        fix = f"; its plans are made at these sizes from now on, and the step is planned again when the next one " \
+              f"begins. To hold it from the first call, m{fix}" if again else f". M{fix}"
         warnings.warn(f"remat_fx: graph {self.index} has dynamic sizes and was planned at those of the call that "
                       f"compiled it; it is now called at larger ones ({', '.join(over)}). What it saves for backward "
-                      f"grows with its sizes, so the step's {limit} was not planned for this call and may not hold. "
-                      f"Make the call that compiles it (or remat.fit's example) the largest batch and sequence the "
-                      f"job runs, or pad batches to one size (a short last batch: drop it, DataLoader(drop_last="
-                      f"True), or pad it; after it Dynamo compiles a graph of dynamic sizes at its size).",
-                      stacklevel=2)
+                      f"grows with its sizes, so the step's {limit} was not planned for this call and may not "
+                      f"hold{fix}", stacklevel=2)
 
     def __repr__(self) -> str:
         return f"CompiledGraph({self.index}, {self.key})"
@@ -1690,7 +1716,8 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
     """The step planned as a whole where it needs it (its StepPlan); a StepKept where it keeps the
     plans it runs, after a graph was lowered again in its first step; else None."""
     limit = step_limit(opts)
-    recorded = _recorded(calls, "plan")
+    # (not where a graph of it is to be planned at larger sizes than the record's: _over_planned_sizes)
+    recorded = _recorded(calls, "plan") if not any(g.planned_at and g.over for g in calls) else None
     if recorded is not None:
         # planned so when this step was first planned, and its graphs were compiled so: a byte limit is
         # checked on this step's estimate (planned again if over it), a fraction taken as it was resolved

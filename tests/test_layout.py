@@ -8,7 +8,7 @@ import remat_fx
 
 PACKAGE = Path(remat_fx.__file__).parent
 GROUND = {"remat_fx.naming", "remat_fx.policy", "remat_fx.options", "remat_fx.config", "remat_fx.memory_budget",
-          "remat_fx.roofline", "remat_fx.fresh_stack"}
+          "remat_fx.roofline", "remat_fx.fresh_stack", "remat_fx.sizes"}
 
 
 def _module(path: Path) -> str:

@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from remat_fx.roofline import device_roofline
+from remat_fx.sizes import concrete  # noqa: F401 - the passes read sizes through it
 
 _REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "any", "all",
                "argmax", "argmin", "logsumexp"}
@@ -137,12 +138,6 @@ def moved_bytes(node: fx.Node) -> int:
     return sum(_nbytes(n.meta.get("val")) for n in node.all_input_nodes) + _nbytes(node.meta.get("val"))
 
 
-def concrete(x) -> int:
-    """An int for a size that may be symbolic (dynamic shapes): its hint, the example's value."""
-    if isinstance(x, torch.SymInt):
-        hint = x.node.hint
-        return int(hint) if hint is not None else 0
-    return int(x)
 
 
 def node_device(nodes: Iterable[fx.Node]) -> torch.device:
