@@ -385,6 +385,7 @@ class CompiledGraph:
         # where it was called at larger sizes than its compile's under a whole-step byte limit: the sizes
         # its plans are made at from then on (symbol -> size; remat_fx/sizes.py), not its compile's
         self.planned_at: Dict[object, int] = {}
+        self.sizes_run: Dict[object, int] = {}  # symbol -> the largest size its calls ran it at, as checked
         self.entered = False  # a call of it has entered a step (_Step.enter)
         # its parameters (a graph compiled on a fitted graph's parameters after remat.fit: _compile_graph)
         self.param_ids = frozenset(id(x) for x in example_inputs if isinstance(x, torch.nn.Parameter))
@@ -620,11 +621,13 @@ class CompiledGraph:
     def _over_planned_sizes(self, args) -> None:
         """Where a graph of dynamic sizes, planned under a byte limit at the sizes of the call that
         compiled it, is called at larger ones: what it saves grows with them, so the limit was not
-        planned for this call. Under a whole-step byte limit its plans are made at the larger sizes
-        from then on, and the step is planned again when the next one begins (a short batch made
-        Dynamo compile graphs of dynamic sizes at its size, and every full batch after it went 33%
-        over the limit, while the step's report estimated it under: a review); it is said each time
-        the sizes grow. Under remat.fit's limit (its plans measured at its example's sizes) it is
+        planned for this call. Under a whole-step byte limit its plans are made for sizes up to the
+        next power of two from then on (at the sizes run where no plan of the step meets the limit
+        there: _at_sizes_run), and the step is planned again when the next one begins (a short batch
+        made Dynamo compile graphs of dynamic sizes at its size, and every full batch after it went
+        33% over the limit, while the step's report estimated it under: a review); it is said each
+        time they grow past them (a sequence-length warmup plans the step again a few times, not at
+        every new length). Under remat.fit's limit (its plans measured at its example's sizes) it is
         said once."""
         over, grown = [], {}
         for k, (i, dim, name, size, expr) in enumerate(self.planned_sizes):
@@ -632,7 +635,11 @@ class CompiledGraph:
                 continue
             arg = args[i]
             now = arg if dim is None else (arg.shape[dim] if isinstance(arg, torch.Tensor) else None)
-            if isinstance(now, int) and now > size:
+            if not isinstance(now, int):
+                continue
+            if now > self.sizes_run.get(expr, 0):
+                self.sizes_run[expr] = now
+            if now > size:
                 over.append(f"{name}: {size} -> {now}")
                 grown[k] = now
         if not over:
@@ -645,9 +652,11 @@ class CompiledGraph:
         elif step_limit_given(self.options) is not None:
             limit = _step_limits(self.options, bytes_only=True)
             if not self._kept():  # lowered again from Dynamo's symbolic inputs: at any size
+                up_to = []
                 for k, now in grown.items():
                     i, dim, name, _, expr = self.planned_sizes[k]
-                    self.planned_sizes[k] = (i, dim, name, now, expr)
+                    self.planned_sizes[k] = (i, dim, name, 1 << (now - 1).bit_length(), expr)
+                    up_to.append(f"{name}: {self.planned_sizes[k][3]}")
                 # every symbol of its inputs at a size (a size of several, s0 * s1, at none read at its hint)
                 self.planned_at = {expr: size for _, _, _, size, expr in self.planned_sizes
                                    if getattr(expr, "is_Symbol", False)}
@@ -673,7 +682,8 @@ class CompiledGraph:
         fix = ("ake the call that compiles it (or remat.fit's example) the largest batch and sequence the job runs, or "
                "pad batches to one size (a short last batch: drop it, DataLoader(drop_last=True), or pad it; after it "
                "Dynamo compiles a graph of dynamic sizes at its size).")
-        fix = f"; its plans are made at these sizes from now on, and the step is planned again when the next one " \
+        fix = f"; from now on its plans are made for sizes up to {', '.join(up_to)} (the next power of two; at the " \
+              f"sizes run where the limit cannot be met there), and the step is planned again when the next one " \
               f"begins. To hold it from the first call, m{fix}" if again else f". M{fix}"
         warnings.warn(f"remat_fx: graph {self.index} has dynamic sizes and was planned at those of the call that "
                       f"compiled it; it is now called at larger ones ({', '.join(over)}). What it saves for backward "
@@ -1795,6 +1805,19 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
     try:
         return plan_step(calls, limit=limit, saved_limit=saved_limit)
     except (PeakInfeasible, BudgetInfeasible):
+        # planned for sizes rounded up past those its calls ran: halfway down to them, then at them (raised
+        # where those are not met either)
+        for between in (0.5, 0.0) if grown else ():
+            if not _at_sizes_run(calls, between):
+                continue
+            log.info("remat_fx: no plan of the step meets its %s at the sizes it was to be planned for; it is "
+                     "planned at %s", _step_limits(opts), "sizes halfway down to those its calls ran" if between
+                     else "the sizes its calls ran")
+            try:
+                return plan_step(calls, limit=limit, saved_limit=saved_limit)
+            except (PeakInfeasible, BudgetInfeasible):
+                if not between:
+                    raise
         # a step within its limit as it ran, planned again because a graph was lowered at its least peak
         # in its first step (_hold_first_step, or at its compile: what the calls before it left was too
         # little): no shared budget meets the limit (the graphs' first-call plans, each for what the
@@ -1812,6 +1835,31 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
     log.info("remat_fx: no shared memory budget holds the step within its %s; the plans its graphs run now do "
              "(estimated step peak %s), and are kept", _step_limits(opts), fmt_bytes(peak))
     return StepKept(_as_lowered(calls), peak)
+
+
+def _at_sizes_run(calls: Sequence[CompiledGraph], between: float = 0.0) -> bool:
+    """The graphs of a step to be planned for sizes rounded up past those their calls ran
+    (_over_planned_sizes) planned for sizes ``between`` of the way from those run up to them (0: at
+    those run; else rounded up to a multiple of 8 over 8, where that is strictly between); whether any
+    was."""
+    def at(size: int, run: int) -> int:
+        if not between:
+            return run
+        mid = run + int(between * (size - run))
+        mid = -(-mid // 8) * 8 if mid > 8 else mid
+        return mid if run < mid < size else size  # none strictly between: as it is (the next try is at those run)
+
+    changed = False
+    for g in dict.fromkeys(calls):
+        if not (g.planned_at and g.over):
+            continue
+        run = [(i, dim, name, at(size, g.sizes_run.get(expr, size)) if size > g.sizes_run.get(expr, size) else size,
+                expr) for i, dim, name, size, expr in g.planned_sizes]
+        if run != g.planned_sizes:
+            g.planned_sizes = run
+            g.planned_at = {expr: size for _, _, _, size, expr in run if getattr(expr, "is_Symbol", False)}
+            changed = True
+    return changed
 
 
 def _as_lowered(calls: Sequence[CompiledGraph]) -> Dict[CompiledGraph, object]:

@@ -549,11 +549,12 @@ def test_a_graph_of_dynamic_sizes_called_over_its_planned_sizes_under_a_byte_lim
         return
     # a whole-step limit: planned at the larger sizes from then on (the step again when the next begins),
     # and said again where they grow again
-    again = r"; its plans are made at these sizes from now on, and the step is planned again when the next one " \
+    again = r"; from now on its plans are made for sizes up to \w+\.shape\[1\]: {} \(the next power of two; at the " \
+            r"sizes run where the limit cannot be met there\), and the step is planned again when the next one " \
             r"begins\. To hold it from the first call, m"
     assert [len(x) for x in said[2:]] == [1, 1], said
-    assert re.fullmatch(said_over.format(8, 16) + again + fix, said[2][0]), said[2]
-    assert re.fullmatch(said_over.format(16, 24) + again + fix, said[3][0]), said[3]
+    assert re.fullmatch(said_over.format(8, 16) + again.format(16) + fix, said[2][0]), said[2]
+    assert re.fullmatch(said_over.format(16, 24) + again.format(32) + fix, said[3][0]), said[3]
 
 
 def test_a_short_batch_leaves_the_full_batches_after_it_within_a_byte_limit():
@@ -591,9 +592,10 @@ def test_a_short_batch_leaves_the_full_batches_after_it_within_a_byte_limit():
     said = [str(w.message) for w in caught if "dynamic sizes" in str(w.message)]
     assert len(said) == 1 and re.search(
         rf"\(\w+\.shape\[0\]: 5 -> 8\)\. What it saves for backward grows with its sizes, so the step's peak_budget "
-        rf"{re.escape(fmt_bytes(limit))} was not planned for this call and may not hold; its plans are made at these "
-        r"sizes from now on, and the step is planned again when the next one begins\. To hold it from the first "
-        r"call, make the call that compiles it", said[0]), said
+        rf"{re.escape(fmt_bytes(limit))} was not planned for this call and may not hold; from now on its plans are "
+        r"made for sizes up to \w+\.shape\[0\]: 8 \(the next power of two; at the sizes run where the limit cannot be "
+        r"met there\), and the step is planned again when the next one begins\. To hold it from the first call, make "
+        r"the call that compiles it", said[0]), said
     for _ in range(2):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # nothing said again
@@ -704,6 +706,37 @@ def test_a_graph_whose_only_dynamic_input_is_a_size_is_planned_again():
     graph = STEP.last[0]
     assert graph.dynamic and not graph._kept() and graph.version > 1  # lowered again, at n=6
     assert step_peak_bytes(lambda: grads_at(run, 6)) <= 6 << 20
+
+
+def test_sizes_that_grow_at_every_step_plan_the_step_again_a_few_times():
+    """A review: a sequence-length warmup (64, 72, ..., 152 under dynamic=True) planned the step again,
+    a lowering of each of its graphs, at every new length (10 warnings in 12 steps; under Inductor a
+    compile each). A graph over its plan's sizes is planned for sizes up to the next power of two
+    (halfway down to those run, then at them, where the limit cannot be met there)."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = _ns["Model"](n=8)
+    run = torch.compile(model, backend="remat", options={"lower": "eager", "peak_budget": "10MiB"}, dynamic=True)
+    said = 0
+    for t in range(64, 160, 8):
+        x = torch.randn(8, t, 64)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.zero_grad(set_to_none=True)
+            run(x).backward()
+        said += sum("dynamic sizes" in str(w.message) for w in caught)
+    graphs = list(dict.fromkeys(STEP.last))
+    # 10 said, and 11 and 12 lowerings, where it was planned at exactly the sizes run
+    assert said == 2 and all(g.version <= 5 for g in graphs), (said, [g.version for g in graphs])
+    assert max(size for g in graphs for _, _, _, size, _ in g.planned_sizes) >= 152  # planned for the sizes run
+    assert remat.step_report().peak.peak <= 10 << 20
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        run(x).backward()
+
+    assert step_peak_bytes(step) <= (10 << 20) * 1.02
 
 
 def test_a_whole_step_limit_on_graphs_of_other_options_is_said_not_to_be_held():
