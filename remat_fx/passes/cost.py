@@ -138,8 +138,6 @@ def moved_bytes(node: fx.Node) -> int:
     return sum(_nbytes(n.meta.get("val")) for n in node.all_input_nodes) + _nbytes(node.meta.get("val"))
 
 
-
-
 def node_device(nodes: Iterable[fx.Node]) -> torch.device:
     for node in nodes:
         val = node.meta.get("val")
