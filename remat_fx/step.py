@@ -652,25 +652,12 @@ class CompiledGraph:
         elif step_limit_given(self.options) is not None:
             limit = _step_limits(self.options, bytes_only=True)
             if not self._kept():  # lowered again from Dynamo's symbolic inputs: at any size
-                up_to = []
-                for k, now in grown.items():
-                    i, dim, name, _, expr = self.planned_sizes[k]
-                    self.planned_sizes[k] = (i, dim, name, 1 << (now - 1).bit_length(), expr)
-                    up_to.append(f"{name}: {self.planned_sizes[k][3]}")
-                # every symbol of its inputs at a size (a size of several, s0 * s1, at none read at its hint)
-                self.planned_at = {expr: size for _, _, _, size, expr in self.planned_sizes
-                                   if getattr(expr, "is_Symbol", False)}
+                self.plan_for([(i, dim, name, 1 << (grown[k] - 1).bit_length() if k in grown else size, expr)
+                               for k, (i, dim, name, size, expr) in enumerate(self.planned_sizes)])
+                up_to = [f"{self.planned_sizes[k][2]}: {self.planned_sizes[k][3]}" for k in grown]
                 self.size_warned = False  # said again if they grow again
                 self.over = True
-                for sig in [sig for sig in STEP.planned if self.index in sig]:
-                    del STEP.planned[sig]  # planned again at these sizes
-                for sig in [sig for sig in STEP.full if self.index in sig]:
-                    # its record at the old sizes (a settled step's calls record nothing of their own, and
-                    # its plan read that record: a review measured 12.44 MiB against 12 at every later step)
-                    del STEP.full[sig]
-                for g, _, _ in STEP.calls:  # the rest of this step's calls recorded whole (settle again)
-                    g.settled = False
-                self.settled = False
+                STEP.forget(self)
                 again = True
         else:
             return
@@ -689,6 +676,17 @@ class CompiledGraph:
                       f"compiled it; it is now called at larger ones ({', '.join(over)}). What it saves for backward "
                       f"grows with its sizes, so the step's {limit} was not planned for this call and may not "
                       f"hold{fix}", stacklevel=2)
+
+    def plan_for(self, sizes: List[Tuple[int, Optional[int], str, int, object]]) -> None:
+        """Its plans made for ``sizes`` (``planned_sizes``' form) from now on: every symbol of its inputs
+        at a size (a size of several, s0 * s1, at none is read at its hint)."""
+        self.planned_sizes = sizes
+        self.planned_at = {expr: size for _, _, _, size, expr in sizes if getattr(expr, "is_Symbol", False)}
+
+    @property
+    def grown(self) -> bool:
+        """Called at larger sizes than its plan's, and to be planned for them (_over_planned_sizes)."""
+        return bool(self.planned_at) and self.over
 
     def __repr__(self) -> str:
         return f"CompiledGraph({self.index}, {self.key})"
@@ -1157,6 +1155,18 @@ class _Step:
                 return self.last_io
             return self.full.get(_signature(calls)) if kind == "light" else None
         return None
+
+    def forget(self, graph: CompiledGraph) -> None:
+        """What the steps that call ``graph`` were planned and recorded at, for it is to be planned at
+        larger sizes: their plans (planned again), and their run-time record at the old sizes (a settled
+        step's calls record nothing of their own, and its plan read that record: a review measured 12.44
+        MiB against 12 at every later step); the rest of this step's calls are recorded whole."""
+        for sig in [sig for sig in self.planned if graph.index in sig]:
+            del self.planned[sig]
+        for sig in [sig for sig in self.full if graph.index in sig]:
+            del self.full[sig]
+        for g in [graph] + [c[0] for c in self.calls]:
+            g.settled = False
 
     def reset(self) -> None:
         self.__init__()
@@ -1666,7 +1676,7 @@ def _after_step(calls: List[CompiledGraph]) -> None:
             raise type(failed)(*failed.args)
         return
     opts = calls[0].options
-    if calls is STEP.last and STEP.record_kind() != "whole" and any(g.planned_at and g.over for g in calls):
+    if calls is STEP.last and STEP.record_kind() != "whole" and any(g.grown for g in calls):
         # a graph called at larger sizes than its plan's in a step recorded without what its calls held
         # (settled: their record is the old sizes', dropped): its graphs unsettled, the next step is
         # recorded whole and planned at the new sizes (planned on this one, without the inputs eager code
@@ -1752,7 +1762,7 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
     limit = step_limit(opts)
     # a graph of it to be planned at larger sizes than its plan's (_over_planned_sizes): its plan and the
     # record's are estimates at the old sizes
-    grown = any(g.planned_at and g.over for g in calls)
+    grown = any(g.grown for g in calls)
     recorded = _recorded(calls, "plan") if not grown else None
     if recorded is not None:
         # planned so when this step was first planned, and its graphs were compiled so: a byte limit is
@@ -1851,13 +1861,12 @@ def _at_sizes_run(calls: Sequence[CompiledGraph], between: float = 0.0) -> bool:
 
     changed = False
     for g in dict.fromkeys(calls):
-        if not (g.planned_at and g.over):
+        if not g.grown:
             continue
         run = [(i, dim, name, at(size, g.sizes_run.get(expr, size)) if size > g.sizes_run.get(expr, size) else size,
                 expr) for i, dim, name, size, expr in g.planned_sizes]
         if run != g.planned_sizes:
-            g.planned_sizes = run
-            g.planned_at = {expr: size for _, _, _, size, expr in run if getattr(expr, "is_Symbol", False)}
+            g.plan_for(run)
             changed = True
     return changed
 
