@@ -175,7 +175,7 @@ class Sharding:
 
 
 # where a step finds the parameter gradients (step_peak's ``gradients``)
-GRADIENTS = ("made", "there", "there whole")
+GRADIENTS = ("made", "there", "there whole", "held")
 
 
 def kinds_of_step(sharding: Optional[Sharding]) -> List[Tuple[Optional[Sharding], str]]:
@@ -230,7 +230,10 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
     ``sharding.scatter``; the step with gradient sync that ends an accumulation without it): whole
     gradients of gathered parameters are there, added to in place, then copied into the
     reduce-scatter's input and freed, and the shard is made: each sharded backward gives back the
-    whole less the shard."""
+    whole less the shard. ``"held"``: as ``"there"``, with the gradients' bytes (what ``"made"`` leaves
+    once the step has run) counted from the step's start, at every point: a whole-step byte limit's view
+    of a step that finds them there (:func:`accumulating`), which holds it from the memory before them
+    (at or above ``"made"`` at every point)."""
     if gradients not in GRADIENTS:
         raise ValueError(f"gradients must be one of {GRADIENTS}, got {gradients!r}")
     n = len(costs)
@@ -241,7 +244,7 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
     scattered = [min(c.grads, g) for c, g in zip(costs, gathered)]  # gradients reduce-scattered after the backward
     at: List[int] = []
     best = (0, 0, "forward")
-    base = 0
+    base = grads_left(costs, sharding) if gradients == "held" else 0
     for i, c in enumerate(costs):
         output = gathered[i] if sharding is not None and sharding.world > 1 else 0  # the all-gather's output
         at.append(base + c.forward + gathered[i] + output)
@@ -266,6 +269,14 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
         elif gradients == "there whole":
             grads += scattered[i] // world - scattered[i]
     return StepPeak(best[0], best[1], best[2], tuple(at))
+
+
+def grads_left(costs: Sequence[CallCost], sharding: Optional[Sharding] = None) -> int:
+    """Bytes of the parameter gradients a step of ``costs`` leaves behind (as step_peak's ``"made"``
+    makes them: under FSDP2 with gradient sync, the gathered parameters' as their shards)."""
+    gathered = [0] * len(costs) if sharding is None or len(sharding.gathered) != len(costs) else sharding.gathered
+    world = 1 if sharding is None or not sharding.scatter else max(sharding.world, 1)
+    return sum(c.grads - min(c.grads, g) + min(c.grads, g) // world for c, g in zip(costs, gathered))
 
 
 def _grad_bytes(joint) -> int:
@@ -403,6 +414,11 @@ class CompiledGraph:
         self.grads = 0
         self.active: Optional[BackendOptions] = None  # what it was lowered with
         self.over = False  # planned with less than the step's limit left for it
+        # its parameters' gradients were there when a call of it began, under a whole-step byte peak_budget,
+        # which counts them as the step's from then on (_gradients_there, accumulating); found since its
+        # steps were last planned
+        self.accumulates = False
+        self.gradients_found = False
         self.stepped = False  # a step that called it has begun its backward
         # lowered at its least peak for the rest of its first step (_hold_first_step), from the lowering
         # of its first call (kept: taken back where the step, once known, fits with it)
@@ -605,6 +621,8 @@ class CompiledGraph:
         training = (self.plan is not None and torch.is_grad_enabled() and current_graph_task() == -1
                     and not isinstance(next((a for a in args if isinstance(a, torch.Tensor)), None), FakeTensor))
         if training:
+            if not self.accumulates and step_limit_given(self.options) == "peak_budget":
+                self._gradients_there(args)
             STEP.enter(self)
             if not self.stepped:
                 _hold_first_step(self)
@@ -617,6 +635,30 @@ class CompiledGraph:
             if self.planned_sizes and not self.size_warned:
                 self._over_planned_sizes(args)
         return out
+
+    def _gradients_there(self, args) -> None:
+        """Where its parameters' gradients are there when it is called (a gradient accumulation's later
+        micro-batches, or ``zero_grad(set_to_none=False)``), a whole-step byte ``peak_budget`` counts
+        them as the step's from then on (:func:`accumulating`): the limit holds from the memory before
+        them (the whole accumulation, measured from ``zero_grad(set_to_none=True)``). Planned for the
+        steps that made them, a later micro-batch ran over the limit by their bytes, at every step (a
+        review: 4.79 MB against a 3.77 MB limit, the gradients 1.06). The steps that call it are
+        planned again: the last one as this one begins where it was recorded whole (this call is the
+        step's first), else the step it begins, when the next one begins. Checked before the step is
+        entered, once per graph (its parameters, when it is given them as inputs)."""
+        if not any(isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad and a.grad is not None
+                   for a in args):
+            return
+        self.accumulates = True
+        if self.fit_limit is not None or STEP.leaves is not None:
+            return  # remat.fit measures the step it is given, gradients and all
+        self.gradients_found = True
+        for sig in [sig for sig in STEP.planned if self.index in sig]:  # its record stands: only planned again
+            del STEP.planned[sig]
+        log.log(logging.DEBUG if any(g.accumulates for g in STEP.current()) else logging.INFO,  # once a step
+                "remat_fx: graph %d finds its parameters' gradients there when it is called (a gradient "
+                 "accumulation, or zero_grad(set_to_none=False)): the step's peak_budget counts them from now on, "
+                 "and the step is planned again", self.index)
 
     def _over_planned_sizes(self, args) -> None:
         """Where a graph of dynamic sizes, planned under a byte limit at the sizes of the call that
@@ -1458,7 +1500,7 @@ def _hold_first_step(graph: CompiledGraph) -> None:
     over = []
     # the step so far, this call and ``times`` more, each once (their parameter gradients too: over, not under)
     ahead = [call_cost(p, g.grads) for g, p in runs] + [graph.cost] * (times + 1)
-    if limit is not None and step_peak(ahead).peak > limit:
+    if limit is not None and step_peak(ahead, gradients=_gradients_kind([graph])).peak > limit:
         over.append(f"peak_budget {fmt_bytes(limit)}")
     if saved_limit is not None and sum(p.total_bytes for _, p in runs) + (times + 1) * plan.total_bytes > saved_limit:
         over.append(f"memory_budget {fmt_bytes(saved_limit)}")
@@ -1665,8 +1707,8 @@ def _after_step(calls: List[CompiledGraph]) -> None:
     byte limit it missed alone (``_fits_once_released``): planned now, on the step's record."""
     # a step of one call compiled from a step record of a plan: through the ranks' exchange as where it
     # was planned (the graph over its limit then), so that every rank makes the same exchanges
-    if (len(calls) < 2 and not any(g.over or (g.step_record or {}).get("kind") == "plan" for g in calls)) or \
-            any(g.plan is None for g in calls):
+    if (len(calls) < 2 and not any(g.over or g.gradients_found or (g.step_record or {}).get("kind") == "plan"
+                                   for g in calls)) or any(g.plan is None for g in calls):
         return
     sig = _signature(calls)
     if sig in STEP.planned:
@@ -1682,6 +1724,9 @@ def _after_step(calls: List[CompiledGraph]) -> None:
         # recorded whole and planned at the new sizes (planned on this one, without the inputs eager code
         # made at them, a review measured 12.44 MiB against 12 at every later step)
         return
+    found = [g for g in dict.fromkeys(calls) if g.gradients_found]  # counting the gradients there from now on
+    for g in found:
+        g.gradients_found = False
     if calls is STEP.last and STEP.record_kind() == "mixed" and step_limit_given(opts) is None:
         # a new graph among settled ones: STEP.settle has the next step recorded whole, and planned
         # there. A byte limit is planned now, on an estimate without what the record lacks (outputs
@@ -1737,7 +1782,7 @@ def _after_step(calls: List[CompiledGraph]) -> None:
 
     # every rank of a process group, planning or not: one that finds no plan fails them all
     try:
-        planned = plan_on_every_rank(lambda: _plan_if_needed(calls, opts, saved_limit),
+        planned = plan_on_every_rank(lambda: _plan_if_needed(calls, opts, saved_limit, bool(found)),
                                      all(g.first_compile for g in calls))
     except (PeakInfeasible, BudgetInfeasible) as e:
         STEP.planned[sig] = type(e)(*e.args)  # no plan for this step: said at each step of it, not searched again
@@ -1755,10 +1800,11 @@ def _after_step(calls: List[CompiledGraph]) -> None:
         _keep_step(calls, "kept", planned.choice, planned.record())
 
 
-def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limit: Optional[int]
-                    ) -> Optional[Union["StepPlan", "StepKept"]]:
+def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limit: Optional[int],
+                    found: bool = False) -> Optional[Union["StepPlan", "StepKept"]]:
     """The step planned as a whole where it needs it (its StepPlan); a StepKept where it keeps the
-    plans it runs, after a graph was lowered again in its first step; else None."""
+    plans it runs, after a graph was lowered again in its first step; else None. ``found``: a graph of
+    it has just found its parameters' gradients there (CompiledGraph._gradients_there)."""
     limit = step_limit(opts)
     # a graph of it to be planned at larger sizes than its plan's (_over_planned_sizes): its plan and the
     # record's are estimates at the old sizes
@@ -1780,7 +1826,15 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
     estimated = step_estimate(calls)
     saved = sum(p.total_bytes for p in ran_plans(calls, STEP.io_of(calls)))
     exceeded = (limit is not None and estimated > limit) or (saved_limit is not None and saved > saved_limit)
-    if exceeded:
+    if exceeded and found:
+        # said: its plans were made for steps that make the gradients (its first, or every step before)
+        log.warning("remat_fx: the graphs of this step (%d calls of %d compiled graphs) find their parameters' "
+                    "gradients there when they are called (a gradient accumulation's later micro-batches, or "
+                    "zero_grad(set_to_none=False)); its peak_budget %s counts them (%s) as the step's, and with them "
+                    "its estimated peak is %s: it is planned again counting them",
+                    len(calls), len(set(calls)), fmt_bytes(limit), fmt_bytes(gradients_held(calls)),
+                    fmt_bytes(estimated))
+    elif exceeded:
         # said: its graphs were each planned at their first call, before the step was known (a graph
         # called again, graphs compiled before later ones), and the step went over (it was silent
         # where no graph had been planned over what the calls before it left)
@@ -2006,7 +2060,11 @@ def plan_step(calls: List[CompiledGraph], limit: Optional[int] = None, fraction:
             f"remat_fx: {what} for the whole step ({len(calls)} calls of {len(set(calls))} compiled graphs) is "
             f"below every plan found{among}: the lowest estimated step peak is {fmt_bytes(curve[best][0])} "
             f"({curve[best][0]:,} bytes), saving {fmt_bytes(curve[best][1])}, with every graph at memory_budget "
-            f"{_shared(best)}. Raise the limit, or shrink the step (batch, sequence length).")
+            f"{_shared(best)}"
+            + (f" (with the parameter gradients, {fmt_bytes(gradients_held(calls))}, counted from the step's start: "
+               f"its graphs find them there when they are called, as in a gradient accumulation's later "
+               f"micro-batches or after zero_grad(set_to_none=False))" if accumulating(calls) else "")
+            + ". Raise the limit, or shrink the step (batch, sequence length).")
     chosen = fitting[0]
     for g in dict.fromkeys(calls):
         g.relower(shared_options(g.options, chosen))
@@ -2218,6 +2276,9 @@ class StepReport:
     later: Optional[List[int]] = None
     sharding: Optional[Sharding] = None  # FSDP2's gathered parameters per call (None: no sharding seen)
     held: Optional[StepHold] = None  # a fraction memory_budget held on this step's estimate (hold_step)
+    # bytes of the parameter gradients the step's estimate counts from its start, found there before it
+    # (accumulating: a gradient accumulation's later micro-batches); 0: made by the step
+    gradients_there: int = 0
 
     @property
     def graphs(self) -> Dict[int, Plan]:
@@ -2239,7 +2300,10 @@ class StepReport:
                  f"{fmt_bytes(p.peak)} (at the {p.phase} of call {p.call}), saved for backward {fmt_bytes(self.saved_bytes)}"
                  + ("" if counted == self.saved_bytes else
                     f" ({fmt_bytes(counted)} with the inputs saved, as a byte memory_budget counts them)")
-                 + ("" if self.limit is None else f"; peak_budget {fmt_bytes(self.limit)}"),
+                 + ("" if self.limit is None else f"; peak_budget {fmt_bytes(self.limit)}")
+                 + ("" if not self.gradients_there else
+                    f"; the parameter gradients, {fmt_bytes(self.gradients_there)}, counted from the step's start "
+                    f"(found there before it: a gradient accumulation)"),
                  f"  {'call':>4s} {'graph':>5s} {'saved':>12s} {'held':>12s} {'freed':>12s} {'freed later':>12s} {'fw peak':>12s} "
                  f"{'bw peak':>12s} {'grads':>12s} {'step at fw':>12s} {'step at bw':>12s}  budget"]
         if self.held is not None:
@@ -2272,15 +2336,37 @@ def step_report() -> StepReport:
     released, later = _released(calls)
     sharding = _sharding(calls)
     held = STEP.step_hold if STEP.step_hold is not None and STEP.step_hold.calls == _signature(calls) else None
+    kind = _gradients_kind(calls)
     return StepReport([(g.index, p, c) for g, p, c in zip(calls, ran_plans(calls, ios), costs)],
-                      step_peak(costs, released, later, sharding) if calls else None, limit, released, later,
-                      sharding, held)
+                      step_peak(costs, released, later, sharding, gradients=kind) if calls else None, limit, released,
+                      later, sharding, held, grads_left(costs, sharding) if kind == "held" else 0)
 
 
 def step_estimate(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[CompiledGraph], Plan]] = None) -> int:
     """The last step's ``calls`` estimated peak under ``plan_of`` (candidate plans; by default the ones
-    the calls ran), with what its run-time record saw freed and gathered."""
-    return step_peak(step_costs(calls, STEP.io_of(calls), plan_of), *_released(calls, plan_of), _sharding(calls)).peak
+    the calls ran), with what its run-time record saw freed and gathered, and the parameter gradients
+    there before it where its graphs find them so (:func:`accumulating`)."""
+    return step_peak(step_costs(calls, STEP.io_of(calls), plan_of), *_released(calls, plan_of), _sharding(calls),
+                     gradients=_gradients_kind(calls)).peak
+
+
+def accumulating(calls: Sequence[CompiledGraph]) -> bool:
+    """Whether a graph of ``calls`` has found its parameters' gradients there when it was called, under a
+    whole-step byte peak_budget (a gradient accumulation's later micro-batches, or
+    ``zero_grad(set_to_none=False)``): the step's estimate counts them from the step's start (step_peak's
+    ``"held"``), so that its limit holds over the whole accumulation, from the memory before them. A step
+    that makes them (its first micro-batch) peaks no higher (the estimate is at or above it)."""
+    return any(g.accumulates for g in calls)
+
+
+def _gradients_kind(calls: Sequence[CompiledGraph]) -> str:
+    return "held" if accumulating(calls) else "made"
+
+
+def gradients_held(calls: Sequence[CompiledGraph]) -> int:
+    """Bytes of the parameter gradients a step of ``calls`` leaves (each counted once), which
+    :func:`accumulating` steps find there at their start."""
+    return grads_left(step_costs(calls, STEP.io_of(calls)), _sharding(calls))
 
 
 def _released(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[CompiledGraph], Plan]] = None):

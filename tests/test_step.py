@@ -2697,3 +2697,63 @@ def test_the_step_estimate_counts_an_input_eager_code_makes_up_to_its_last_use_u
     logits = 4 * 64 * 1000 * 4
     assert [n for io in calls for _, n, _ in io.external][-1] == logits, [io.external for io in calls]
     assert abs(report.peak.peak - measured) <= 0.02 * measured, (report.peak.peak, measured)
+
+
+def test_held_gradients_count_from_the_step_s_start_at_every_point():
+    """step_peak's "held": a step that finds the parameter gradients there (a gradient accumulation's
+    later micro-batches), counted from its start: "there" plus the bytes "made" leaves, at every
+    point, which is at or above "made" at every point (a byte limit on it holds every kind of step)."""
+    from remat_fx.step import grads_left
+
+    c = CallCost(saved=10, held=0, forward=20, backward=18, grads=6)
+    there = step_peak([c, c, c], gradients="there").at
+    assert step_peak([c, c, c], gradients="held").at == tuple(a + 18 for a in there) == (38, 48, 58, 56, 46, 36)
+    assert all(h >= m for h, m in zip(step_peak([c, c, c], gradients="held").at, step_peak([c, c, c]).at))
+    sharded = Sharding(gathered=(8, 8, 8), world=2)
+    assert grads_left([c, c, c], sharded) == 3 * 3  # each call's gathered gradients as their shard
+    assert step_peak([c, c, c], sharding=sharded, gradients="held").at == tuple(
+        a + 9 for a in step_peak([c, c, c], sharding=sharded, gradients="there").at)
+
+
+@pytest.mark.parametrize("graphs,limit", [(1, 4 << 20), (2, int(4.8 * 2**20))])
+def test_a_gradient_accumulation_holds_a_byte_peak_budget_from_before_its_gradients(graphs, limit, caplog):
+    """A byte peak_budget was held for each micro-batch of a gradient accumulation from its own start,
+    which in the later ones holds the gradients the first one made: the accumulation measured their
+    bytes over the limit at every window (4.90 MiB against 4 with the model one graph, 5.02 against 4.8
+    with a graph break). The graphs find the gradients there when the second micro-batch calls them,
+    and the step's estimate counts them from its start from then on: every window within the limit
+    (the first too: planned before its second micro-batch), the report and a warning saying so, and
+    the eager accumulation's gradients."""
+    import logging
+
+    torch.manual_seed(0)
+    model = _ns["Model"](n=8) if graphs == 2 else torch.nn.Sequential(*[_ns["Block"](64) for _ in range(8)])
+    xs = [torch.randn(2, 128, 64, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
+    loss = (lambda out: out) if graphs == 2 else (lambda out: out.square().mean())
+
+    def window_of(run):
+        def window():
+            model.zero_grad(set_to_none=True)
+            for x in xs:
+                loss(run(x)).backward()
+        return window
+
+    window_of(model)()
+    reference = _grads(model)
+    window = window_of(torch.compile(model, backend="remat", options={"lower": "eager", "peak_budget": limit}))
+    with caplog.at_level(logging.WARNING, logger="remat_fx"):
+        peaks = [step_peak_bytes(window) for _ in range(3)]
+    assert max(peaks) <= limit, [fmt_bytes(p) for p in peaks]
+    said = [r.getMessage() for r in caplog.records if "gradients there" in r.getMessage()]
+    assert len(said) == 1 and re.search(
+        rf"find their parameters' gradients there when they are called \(a gradient accumulation's later "
+        rf"micro-batches, or zero_grad\(set_to_none=False\)\); its peak_budget {re.escape(fmt_bytes(limit))} counts "
+        rf"them \(1\.01 MiB\) as the step's, and with them its estimated peak is [\d.]+ MiB: it is planned again "
+        rf"counting them", said[0]), said
+    report = remat.step_report()
+    assert report.gradients_there == sum(p.numel() * 4 for p in model.parameters())
+    assert report.peak.peak <= limit
+    assert "; the parameter gradients, 1.01 MiB, counted from the step's start (found there before it: a gradient " \
+           "accumulation)" in str(report)
+    for got, want in zip(_grads(model), reference):
+        torch.testing.assert_close(got, want)
