@@ -621,9 +621,11 @@ class CompiledGraph:
         training = (self.plan is not None and torch.is_grad_enabled() and current_graph_task() == -1
                     and not isinstance(next((a for a in args if isinstance(a, torch.Tensor)), None), FakeTensor))
         if training:
-            if not self.accumulates and step_limit_given(self.options) == "peak_budget":
-                self._gradients_there(args)
-            STEP.enter(self)
+            there = False
+            if step_limit_given(self.options) == "peak_budget" and (
+                    not self.accumulates or (STEP.backward_began and self.options.step_peak == "auto")):
+                there = self._gradients_there(args)
+            STEP.enter(self, there)
             if not self.stepped:
                 _hold_first_step(self)
             if STEP.leaves is not None:  # remat.fit: the step's parameters (one graph may serve several blocks)
@@ -636,7 +638,7 @@ class CompiledGraph:
                 self._over_planned_sizes(args)
         return out
 
-    def _gradients_there(self, args) -> None:
+    def _gradients_there(self, args) -> bool:
         """Where its parameters' gradients are there when it is called (a gradient accumulation's later
         micro-batches, or ``zero_grad(set_to_none=False)``), a whole-step byte ``peak_budget`` counts
         them as the step's from then on (:func:`accumulating`): the limit holds from the memory before
@@ -645,20 +647,25 @@ class CompiledGraph:
         review: 4.79 MB against a 3.77 MB limit, the gradients 1.06). The steps that call it are
         planned again: the last one as this one begins where it was recorded whole (this call is the
         step's first), else the step it begins, when the next one begins. Checked before the step is
-        entered, once per graph (its parameters, when it is given them as inputs)."""
+        entered, once per graph (its parameters, when it is given them as inputs), and under
+        ``peak_budget="auto"`` at each step's first call (_Step.enter: the device's reading lacks
+        them). Whether they are there."""
         if not any(isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad and a.grad is not None
                    for a in args):
-            return
+            return False
+        if self.accumulates:
+            return True
         self.accumulates = True
         if self.fit_limit is not None or STEP.leaves is not None:
-            return  # remat.fit measures the step it is given, gradients and all
+            return True  # remat.fit measures the step it is given, gradients and all
         self.gradients_found = True
         for sig in [sig for sig in STEP.planned if self.index in sig]:  # its record stands: only planned again
             del STEP.planned[sig]
         log.log(logging.DEBUG if any(g.accumulates for g in STEP.current()) else logging.INFO,  # once a step
                 "remat_fx: graph %d finds its parameters' gradients there when it is called (a gradient "
-                 "accumulation, or zero_grad(set_to_none=False)): the step's peak_budget counts them from now on, "
-                 "and the step is planned again", self.index)
+                "accumulation, or zero_grad(set_to_none=False)): the step's peak_budget counts them from now on, "
+                "and the step is planned again", self.index)
+        return True
 
     def _over_planned_sizes(self, args) -> None:
         """Where a graph of dynamic sizes, planned under a byte limit at the sizes of the call that
@@ -965,7 +972,9 @@ class _Step:
         self.fit_said: set = set()  # (the compile's options, remat.fit's limit) whose recompile was warned of
         self.auto: Dict[int, int] = {}  # step number -> peak_budget="auto" as that step read it (auto_limit)
 
-    def enter(self, graph: CompiledGraph) -> None:
+    def enter(self, graph: CompiledGraph, gradients_there: bool = False) -> None:
+        """``graph`` is called in a training step: the first forward after a backward begins a new one.
+        ``gradients_there``: its parameters' gradients are there (CompiledGraph._gradients_there)."""
         if self.backward_began:  # the first forward after a backward: a new step
             # a graph never called before, compiled after every graph of the last step (a recompile after
             # torch._dynamo.reset() or under other options, a new batch size, another model): the last step
@@ -978,7 +987,11 @@ class _Step:
             self.number += 1
             self.auto = {k: v for k, v in self.auto.items() if k >= self.number}
             if self.number not in self.auto and any(g.options.step_peak == "auto" for g in self.last):
-                self.auto[self.number] = auto_limit()  # at the step's start, before its first forward
+                # at the step's start, before its first forward; with the gradients the last step left there
+                # (a gradient accumulation's later micro-batch), which the step's estimate counts as its own
+                # (accumulating): the device's reading lacks them (counted twice, the limit was theirs less)
+                there = gradients_held(self.last) if gradients_there and accumulating(self.last) else 0
+                self.auto[self.number] = auto_limit() + there
             # nor while remat.fit runs the step to collect it (it plans the step itself: a step refused
             # before, which each later step is, must not refuse the fit that measures a way out of it)
             if self.leaves is None:

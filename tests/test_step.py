@@ -2716,15 +2716,21 @@ def test_held_gradients_count_from_the_step_s_start_at_every_point():
 
 
 @pytest.mark.parametrize("graphs,limit", [(1, 4 << 20), (2, int(4.8 * 2**20))])
-def test_a_gradient_accumulation_holds_a_byte_peak_budget_from_before_its_gradients(graphs, limit, caplog):
+def test_a_gradient_accumulation_holds_a_byte_peak_budget_from_before_its_gradients(graphs, limit, caplog,
+                                                                                     monkeypatch):
     """A byte peak_budget was held for each micro-batch of a gradient accumulation from its own start,
     which in the later ones holds the gradients the first one made: the accumulation measured their
     bytes over the limit at every window (4.90 MiB against 4 with the model one graph, 5.02 against 4.8
     with a graph break). The graphs find the gradients there when the second micro-batch calls them,
     and the step's estimate counts them from its start from then on: every window within the limit
     (the first too: planned before its second micro-batch), the report and a warning saying so, and
-    the eager accumulation's gradients."""
+    the eager accumulation's gradients. Under peak_budget="auto" the device's reading at a later
+    micro-batch's start lacks the gradients there, which the step counts as its own: they are added to
+    it (taken off twice, the limit would be theirs less): the same plans as the limit in bytes."""
     import logging
+
+    from remat_fx import options as options_module
+    from remat_fx import step as step_module
 
     torch.manual_seed(0)
     model = _ns["Model"](n=8) if graphs == 2 else torch.nn.Sequential(*[_ns["Block"](64) for _ in range(8)])
@@ -2757,3 +2763,18 @@ def test_a_gradient_accumulation_holds_a_byte_peak_budget_from_before_its_gradie
            "accumulation)" in str(report)
     for got, want in zip(_grads(model), reference):
         torch.testing.assert_close(got, want)
+    plans = [(i, plan.total_bytes) for i, plan, _ in report.calls]
+
+    # a device whose free memory is the limit less the gradients there (CUDA's reading stood in for)
+    torch._dynamo.reset()
+    STEP.reset()
+    readings = []
+    monkeypatch.setattr(options_module, "_cuda_available", lambda: True)
+    monkeypatch.setattr(step_module, "auto_limit", lambda: readings.append(limit - sum(
+        p.grad.numel() * 4 for p in model.parameters() if p.grad is not None)) or readings[-1])
+    window = window_of(torch.compile(model, backend="remat", options={"lower": "eager", "peak_budget": "auto"}))
+    peaks = [step_peak_bytes(window) for _ in range(3)]
+    assert max(peaks) <= limit, [fmt_bytes(p) for p in peaks]
+    assert min(readings) < limit  # read with the gradients there
+    again = [(i, plan.total_bytes) for i, plan, _ in remat.step_report().calls]
+    assert [(i - again[0][0], b) for i, b in again] == [(i - plans[0][0], b) for i, b in plans]
