@@ -3,13 +3,14 @@ through the blocks), measured as a whole (CPU).
 
     python benchmarks/step.py [--lower inductor|eager] [--layers 8] [--d-model 128] [--seq 256] [--batch 16]
                               [--torch-budgets 1,0.3,0] [--limits 0.8,0.6,0.4] [--fractions 1,0.5,0] [--fit 0.6,0.4]
-                              [--budgets 0.5,0.2,0] [--threads N]
+                              [--budgets 0.5,0.2,0] [--accumulate N] [--threads N]
 
 Variants: eager; eager with torch.utils.checkpoint per block; PyTorch's torch.compile (Inductor)
 with ``activation_memory_budget`` at --torch-budgets; remat without a budget; remat with a
 byte ``peak_budget`` at --limits (fractions of remat's unbudgeted measured peak); remat with a
 fraction ``peak_budget`` at --fractions; ``remat.fit`` (measured) at --fit limits; a fraction
-``memory_budget`` at --budgets. Peak: the
+``memory_budget`` at --budgets. With --accumulate N each step is a gradient accumulation of N
+micro-batches (the gradients set to None once, before the first), measured as a whole. Peak: the
 profiler's allocation events over one warmed-up step (remat_fx.measure.step_peak_bytes); estimate:
 remat.step_report()'s whole-step estimate; time: median of --steps steps; first step: the
 compiling step(s), replans and fit searches included. Writes benchmarks/out/step_<lower>.md.
@@ -66,7 +67,8 @@ def variant(args, options=None, checkpoint=False, torch_budget=None):
     STEP.reset()
     torch.manual_seed(0)
     model = Model(args.d_model, args.layers, checkpoint)
-    x = torch.randn(args.batch, args.seq, args.d_model, generator=torch.Generator().manual_seed(1))
+    xs = [torch.randn(args.batch, args.seq, args.d_model, generator=torch.Generator().manual_seed(1 + i))
+          for i in range(args.accumulate)]
     if torch_budget is not None:  # PyTorch's own budget, Inductor
         run = torch.compile(model, backend=pytorch_budget.backend(torch_budget))
     else:
@@ -74,7 +76,8 @@ def variant(args, options=None, checkpoint=False, torch_budget=None):
 
     def step():
         model.zero_grad(set_to_none=True)
-        run(x).backward()
+        for x in xs:  # one micro-batch, or a gradient accumulation's (--accumulate)
+            run(x).backward()
 
     return step
 
@@ -116,6 +119,8 @@ def main():
     ap.add_argument("--fit", default="0.6,0.4")
     ap.add_argument("--budgets", default="", help="remat memory_budget fractions (the step held on its estimate "
                                                    "at the second step: docs/step.md)")
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="micro-batches per step, their gradients accumulated (the step measured as a whole)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch.set_num_threads (0: PyTorch's default); 1 steadies timings on a shared machine")
     args = ap.parse_args()
@@ -153,8 +158,9 @@ def main():
                       f"budget {result.fraction}, {len(result.tried)} measured")
         row["limit"] = limit
         rows.append(row)
+    accumulated = f", {args.accumulate} micro-batches accumulated per step" if args.accumulate > 1 else ""
     lines = [f"Whole step, {args.layers} blocks (graph break halfway), d {args.d_model}, seq {args.seq}, batch "
-             f"{args.batch}, {args.lower} lowering, torch {torch.__version__}, CPU", "",
+             f"{args.batch}{accumulated}, {args.lower} lowering, torch {torch.__version__}, CPU", "",
              "| variant | graphs / calls | measured peak MiB | whole-step estimate MiB | limit MiB | step ms | first step s "
              "| fit, or the step held |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
@@ -166,7 +172,8 @@ def main():
                      f"{r['first_s']:.1f} | {r['fit'] or ''} |")
     out = ROOT / "benchmarks" / "out"
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"step_{args.lower}.md").write_text("\n".join(lines) + "\n")
+    name = f"step_{args.lower}" + (f"_accumulate{args.accumulate}" if args.accumulate > 1 else "")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -622,7 +622,7 @@ class CompiledGraph:
                     and not isinstance(next((a for a in args if isinstance(a, torch.Tensor)), None), FakeTensor))
         if training:
             there = False
-            if step_limit_given(self.options) == "peak_budget" and (
+            if (step_limit_given(self.options) == "peak_budget" or self.fit_limit is not None) and (
                     not self.accumulates or (STEP.backward_began and self.options.step_peak == "auto")):
                 there = self._gradients_there(args)
             STEP.enter(self, there)
@@ -656,8 +656,22 @@ class CompiledGraph:
         if self.accumulates:
             return True
         self.accumulates = True
-        if self.fit_limit is not None or STEP.leaves is not None:
+        if STEP.leaves is not None:
             return True  # remat.fit measures the step it is given, gradients and all
+        if self.fit_limit is not None:
+            # its plan is a fit's, measured on a step without them (a fit of the whole accumulation finds them
+            # while it measures): said once per fit (a review measured 3.33 MiB at every window against a
+            # fit of one micro-batch at 3 MiB, silently)
+            said = ("gradients", self.options.key(), self.fit_limit)
+            if said not in STEP.fit_said:
+                STEP.fit_said.add(said)
+                warnings.warn(f"remat_fx: graph {self.index} finds its parameters' gradients there when it is called "
+                              f"(a gradient accumulation's later micro-batches, or zero_grad(set_to_none=False)), and "
+                              f"its plan is the one remat.fit measured at peak {fmt_bytes(self.fit_limit)} on a step "
+                              f"without them: the steps that hold them may go over it by their bytes. Fit the whole "
+                              f"accumulation: give remat.fit a step function that runs all its micro-batches, from "
+                              f"zero_grad(set_to_none=True).", stacklevel=3)
+            return True
         self.gradients_found = True
         for sig in [sig for sig in STEP.planned if self.index in sig]:  # its record stands: only planned again
             del STEP.planned[sig]
@@ -1675,10 +1689,13 @@ def _recorded(calls: Sequence[CompiledGraph], kind: str):
     if record is None or record["kind"] != kind or any(g.step_record != record for g in graphs[1:]) or \
             record["calls"] != [g.key for g in calls]:
         return None
-    differs = [g.index for g in graphs if g.plan is None or record["plans"].get(g.key) != g.plan.total_bytes]
+    differs = [g for g in graphs if g.plan is None or record["plans"].get(g.key) != g.plan.total_bytes]
     if differs:
-        log.info("remat_fx: the plan cache's record of this step does not give graph(s) %s the plans it recorded "
-                 "(another machine or cost model): the step is planned again", ", ".join(map(str, differs)))
+        # lowered again in this process since they were compiled from it (a step planned again: the gradients
+        # of an accumulation found there), or compiled to other plans from it (another machine or cost model)
+        log.log(logging.DEBUG if any(g.version > 1 for g in differs) else logging.INFO,
+                "remat_fx: the plan cache's record of this step does not give graph(s) %s the plans it recorded "
+                "(another machine or cost model): the step is planned again", ", ".join(str(g.index) for g in differs))
         return None
     try:
         if kind == "plan":
@@ -2075,8 +2092,9 @@ def plan_step(calls: List[CompiledGraph], limit: Optional[int] = None, fraction:
             f"({curve[best][0]:,} bytes), saving {fmt_bytes(curve[best][1])}, with every graph at memory_budget "
             f"{_shared(best)}"
             + (f" (with the parameter gradients, {fmt_bytes(gradients_held(calls))}, counted from the step's start: "
-               f"its graphs find them there when they are called, as in a gradient accumulation's later "
-               f"micro-batches or after zero_grad(set_to_none=False))" if accumulating(calls) else "")
+               f"its graphs have found them there when called, as in a gradient accumulation's later "
+               f"micro-batches or after zero_grad(set_to_none=False), and the limit counts them from then on, for "
+               f"this compile)" if accumulating(calls) else "")
             + ". Raise the limit, or shrink the step (batch, sequence length).")
     chosen = fitting[0]
     for g in dict.fromkeys(calls):

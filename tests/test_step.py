@@ -2778,3 +2778,35 @@ def test_a_gradient_accumulation_holds_a_byte_peak_budget_from_before_its_gradie
     assert min(readings) < limit  # read with the gradients there
     again = [(i, plan.total_bytes) for i, plan, _ in remat.step_report().calls]
     assert [(i - again[0][0], b) for i, b in again] == [(i - plans[0][0], b) for i, b in plans]
+
+
+def test_a_fit_of_one_micro_batch_says_so_where_an_accumulation_holds_its_gradients():
+    """A review: remat.fit measured on one micro-batch, then run as a gradient accumulation, went over the
+    fit's peak at every window by the gradients the later micro-batches hold (3.33 MiB against 3),
+    silently. The first graph to find them there says so, once: fit the whole accumulation."""
+    torch.manual_seed(0)
+    model = _ns["Model"](n=8)
+    xs = [torch.randn(2, 128, 64, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
+    run = torch.compile(model, backend="remat", options={"lower": "eager"})
+
+    def micro_batch():
+        model.zero_grad(set_to_none=True)
+        run(xs[0]).backward()
+
+    def window():
+        model.zero_grad(set_to_none=True)
+        for x in xs:
+            run(x).backward()
+
+    remat.fit(micro_batch, peak=3 << 20, cache=False)
+    with pytest.warns(UserWarning, match=r"finds its parameters' gradients there when it is called \(a gradient "
+                                         r"accumulation's later micro-batches, or zero_grad\(set_to_none=False\)\), and its "
+                                         r"plan is the one remat.fit measured at peak 3.00 MiB on a step without them: "
+                                         r"the steps that hold them may go over it by their bytes\. Fit the whole "
+                                         r"accumulation") as caught:
+        window()
+    assert len([w for w in caught if "Fit the whole accumulation" in str(w.message)]) == 1  # not once per graph
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        window()
+    assert remat.step_report().gradients_there == sum(p.numel() * 4 for p in model.parameters())
