@@ -632,6 +632,8 @@ class CompiledGraph:
                 STEP.leaves.update((id(a), weakref.ref(a)) for a in args
                                    if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad)
         out = self.fn(*args)
+        if not training and self.plan is None and torch.is_grad_enabled() and current_graph_task() == -1:
+            STEP.made_without_grad(out)  # a frozen part's graph: what it makes, a later call of the step may read
         if training:
             STEP.watch(self, out, args)
             if self.planned_sizes and not self.size_warned:
@@ -985,6 +987,9 @@ class _Step:
         self.order_said = False  # backwards out of order, or twice, warned of (once a STEP)
         self.fit_said: set = set()  # (the compile's options, remat.fit's limit) whose recompile was warned of
         self.auto: Dict[int, int] = {}  # step number -> peak_budget="auto" as that step read it (auto_limit)
+        # output storages of graphs without a backward (a frozen part's), called with grad enabled: storage key
+        # -> whether it is gone (made_without_grad); kept across a step's start, which such a call may precede
+        self.made_no_grad: Dict[int, Callable[[], bool]] = {}
 
     def enter(self, graph: CompiledGraph, gradients_there: bool = False) -> None:
         """``graph`` is called in a training step: the first forward after a backward begins a new one.
@@ -1076,8 +1081,9 @@ class _Step:
                 found = None  # another tensor's id, that one gone
             if found is not None and found[0].storage_of[found[1]] is not None:
                 found[0].consumers[found[0].storage_of[found[1]]].append((io, m))
-            elif found is None and isinstance(a, torch.Tensor) and a.grad_fn is not None and \
-                    not (a._base is not None and a._base.is_leaf):
+            elif found is None and isinstance(a, torch.Tensor) and (
+                    (a.grad_fn is not None and not (a._base is not None and a._base.is_leaf))
+                    or self._without_grad(a)):
                 # made by eager code in this step (an embedding before the first graph, a head between
                 # the blocks' graphs and the loss's), not a view of an earlier call's output still alive
                 # (a storage's address is used again once it is freed) nor of a parameter: its bytes
@@ -1091,6 +1097,28 @@ class _Step:
             self.made[id(ref())] = (io, k, ref)
         self.made_storages.update(zip(io.keys, io.expired))
         self.calls.append((graph, weakref.ref(pending), io))
+
+    def made_without_grad(self, out) -> None:
+        """The outputs of a call of a graph without a backward (the blocks of a frozen part, before a graph
+        break: nothing in it needs a gradient) with grad enabled: tensors without a ``grad_fn`` that a
+        later call of the step may read and keep, which no graph's estimate counts (a review: a frozen
+        prefix's output, 64 KiB, under the measured step at every step, and a byte limit between the two
+        missed). Read as made by eager code in the step (``watch``) while they are alive."""
+        self.made_no_grad = {k: gone for k, gone in self.made_no_grad.items() if not gone()}
+        if len(self.made_no_grad) > 4 * self._MAX_CALLS:
+            return
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.grad_fn is None:
+                key = storage_key(t)
+                if key is not None:
+                    self.made_no_grad[key] = storage_ref(t)[1]
+
+    def _without_grad(self, a: torch.Tensor) -> bool:
+        """Whether ``a`` (no ``grad_fn``) is an alive output of a graph without a backward (made_without_grad)."""
+        if a.grad_fn is not None or not self.made_no_grad:
+            return False
+        gone = self.made_no_grad.get(storage_key(a))
+        return gone is not None and not gone()
 
     def began(self) -> None:
         """A backward began: the step's forwards are the calls alive now; which of their outputs
