@@ -622,7 +622,9 @@ class CompiledGraph:
                     and not isinstance(next((a for a in args if isinstance(a, torch.Tensor)), None), FakeTensor))
         if training:
             there = False
-            if (step_limit_given(self.options) == "peak_budget" or self.fit_limit is not None) and (
+            # (and while remat.fit runs the step: a fit of the whole accumulation has its plans measured with them)
+            if (step_limit_given(self.options) == "peak_budget" or self.fit_limit is not None
+                    or STEP.leaves is not None) and (
                     not self.accumulates or (STEP.backward_began and self.options.step_peak == "auto")):
                 there = self._gradients_there(args)
             STEP.enter(self, there)
