@@ -1105,7 +1105,8 @@ class _Step:
         break: nothing in it needs a gradient) with grad enabled: tensors without a ``grad_fn`` that a
         later call of the step may read and keep, which no graph's estimate counts (a review: a frozen
         prefix's output, 64 KiB, under the measured step at every step, and a byte limit between the two
-        missed). Read as made by eager code in the step (``watch``) while they are alive."""
+        missed). Read as made by eager code in the step (``watch``) while they are alive, until the step's
+        backward begins."""
         self.made_no_grad = {k: gone for k, gone in self.made_no_grad.items() if not gone()}
         if len(self.made_no_grad) > 4 * self._MAX_CALLS:
             return
@@ -1142,6 +1143,9 @@ class _Step:
                 io.consumers = [[(position[id(later)], m) for later, m in uses if id(later) in position]
                                 for uses in io.consumers]
             self.backward_began, self.last, self.last_io = True, [c[0] for c in live], [c[2] for c in live]
+            # a frozen part's outputs made before this backward are the next steps' inputs made before them
+            # (features computed once and read at every step), not memory of theirs
+            self.made_no_grad = {}
             self.positions, self.lowest, self.begun = position, None, set()
             self.last_versions = tuple(g.version for g in self.last)
             for g in {id(g): g for g in self.last}.values():

@@ -2852,3 +2852,20 @@ def test_a_frozen_prefix_s_output_is_in_the_step_estimate():
             assert (p.grad is None) == (q.grad is None)
             if p.grad is not None:
                 torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_frozen_part_s_outputs_made_before_the_last_backward_are_the_step_s_inputs():
+    """Features a frozen compiled part made once, before the loop, and read at every step, were made before
+    each step (its measurement does not count them): counted as made in the step only at the step that
+    follows them, not at each one after a backward."""
+    torch.manual_seed(0)
+    frozen = torch.nn.Sequential(*[_ns["Block"](64) for _ in range(2)]).requires_grad_(False)
+    model = torch.nn.Sequential(*[_ns["Block"](64) for _ in range(2)])
+    features = torch.compile(frozen, backend="remat", options={"lower": "eager"})(torch.randn(2, 128, 64))
+    run = torch.compile(model, backend="remat", options={"lower": "eager"})
+    made = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        run(features).square().mean().backward()
+        made.append([nbytes for _, nbytes, _ in STEP.last_io[0].external])
+    assert made == [[2 * 128 * 64 * 4], [], []]
