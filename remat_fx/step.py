@@ -634,8 +634,10 @@ class CompiledGraph:
                 STEP.leaves.update((id(a), weakref.ref(a)) for a in args
                                    if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad)
         out = self.fn(*args)
-        if not training and self.plan is None and torch.is_grad_enabled() and current_graph_task() == -1:
-            STEP.made_without_grad(out)  # a frozen part's graph: what it makes, a later call of the step may read
+        if not training and self.plan is None and current_graph_task() == -1:
+            # a frozen part's graph (under torch.no_grad() too: a frozen encoder's features): what it makes, a
+            # later call of the step may read
+            STEP.made_without_grad(out)
         if training:
             STEP.watch(self, out, args)
             if self.planned_sizes and not self.size_warned:
@@ -1102,7 +1104,7 @@ class _Step:
 
     def made_without_grad(self, out) -> None:
         """The outputs of a call of a graph without a backward (the blocks of a frozen part, before a graph
-        break: nothing in it needs a gradient) with grad enabled: tensors without a ``grad_fn`` that a
+        break: nothing in it needs a gradient; one called under ``torch.no_grad()``): tensors without a ``grad_fn`` that a
         later call of the step may read and keep, which no graph's estimate counts (a review: a frozen
         prefix's output, 64 KiB, under the measured step at every step, and a byte limit between the two
         missed). Read as made by eager code in the step (``watch``) while they are alive, until the step's
