@@ -112,7 +112,7 @@ def step_costs(calls: Sequence["CompiledGraph"], ios, plan_of: Optional[Callable
         # (AOTAutograd's boxed calls), maybe before the graph's peak: up to there (counted through the
         # forward, an eager head's logits that the loss graph read first and did not keep were 4% over)
         first: Dict[int, Tuple[int, int, int]] = {}  # storage key -> (the first call reading it, input, bytes)
-        kept = set()
+        kept, kept_first = set(), set()
         for i, (g, io) in enumerate(zip(calls, ios)):
             external = getattr(io, "external", ())
             if not external:
@@ -122,10 +122,22 @@ def step_costs(calls: Sequence["CompiledGraph"], ios, plan_of: Optional[Callable
                 first.setdefault(key, (i, m, nbytes))
                 if kept_inputs is None or m in kept_inputs:
                     kept.add(key)
+                    if kept_inputs is not None and first[key][0] == i:
+                        kept_first.add(key)
         for key, (i, m, nbytes) in first.items():
             if key in kept:
+                backward = costs[i].backward
+                if key in kept_first:
+                    # the first reader keeps it: alive in its backward up to the backward's last use of it (a
+                    # frozen prefix's output saved by the next graph's first block, whose backward runs last:
+                    # 256 KiB under the measured step at that backward, and a byte limit missed, a review)
+                    name = calls[i].primals[m] if calls[i].primals is not None and m < len(calls[i].primals) \
+                        else None
+                    span = next((x for x in plans[i].peak.backward_inputs if x[0] == name), None)
+                    if span is not None:
+                        backward = max(backward, span[1] + nbytes)
                 costs[i] = dataclasses.replace(costs[i], forward=costs[i].forward + nbytes,
-                                               saved=costs[i].saved + nbytes)
+                                               saved=costs[i].saved + nbytes, backward=backward)
                 continue
             # kept by none: alive in its first reader's forward up to its last use there
             g, peak = calls[i], plans[i].peak
@@ -637,33 +649,36 @@ class CompiledGraph:
         if not training and self.plan is None and current_graph_task() == -1:
             # a frozen part's graph (under torch.no_grad() too: a frozen encoder's features): what it makes, a
             # later call of the step may read
-            STEP.made_without_grad(out)
+            STEP.made_without_grad(out, args)
         if training:
-            STEP.watch(self, out, args)
+            call = STEP.watch(self, out, args)
+            if there and not self.accumulates and call is not None:
+                STEP.found_there.append((self, call))  # counted once the step's backward begins with this call alive
             if self.planned_sizes and not self.size_warned:
                 self._over_planned_sizes(args)
         return out
 
     def _gradients_there(self, args) -> bool:
-        """Where its parameters' gradients are there when it is called (a gradient accumulation's later
-        micro-batches, or ``zero_grad(set_to_none=False)``), a whole-step byte ``peak_budget`` counts
-        them as the step's from then on (:func:`accumulating`): the limit holds from the memory before
-        them (the whole accumulation, measured from ``zero_grad(set_to_none=True)``). Planned for the
-        steps that made them, a later micro-batch ran over the limit by their bytes, at every step (a
-        review: 4.79 MB against a 3.77 MB limit, the gradients 1.06). The steps that call it are
-        planned again: the last one as this one begins where it was recorded whole (this call is the
-        step's first), else the step it begins, when the next one begins. Checked before the step is
-        entered, once per graph (its parameters, when it is given them as inputs), and under
-        ``peak_budget="auto"`` at each step's first call (_Step.enter: the device's reading lacks
-        them). Whether they are there."""
-        if not any(isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad and a.grad is not None
-                   for a in args):
-            return False
-        if self.accumulates:
-            return True
+        """Whether its parameters' gradients are there when it is called (a gradient accumulation's later
+        micro-batches, or ``zero_grad(set_to_none=False)``). Checked before the step is entered, until
+        it has been found so in a step that reached its backward (_gradients_counted), and under
+        ``peak_budget="auto"`` at each step's first call (_Step.enter: the device's reading lacks them)."""
+        return any(isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad and a.grad is not None
+                   for a in args)
+
+    def _gradients_counted(self) -> None:
+        """Its parameters' gradients were there when a call of it began, in a step whose backward has
+        begun (not a forward without one: an eval forward with grad enabled between steps, under
+        ``zero_grad`` at each step's start, found the last step's gradients and was taken for an
+        accumulation, a review): a whole-step byte ``peak_budget`` counts them as the step's from then
+        on (:func:`accumulating`), so that the limit holds from the memory before them (the whole
+        accumulation, measured from ``zero_grad(set_to_none=True)``). Planned for the steps that made
+        them, a later micro-batch ran over the limit by their bytes, at every step (a review: 4.79 MB
+        against a 3.77 MB limit, the gradients 1.06). The steps that call it are planned again, from the
+        next one's start: the first accumulation's later micro-batches go over the limit."""
         self.accumulates = True
         if STEP.leaves is not None:
-            return True  # remat.fit measures the step it is given, gradients and all
+            return  # remat.fit measures the step it is given, gradients and all
         if self.fit_limit is not None:
             # its plan is a fit's, measured on a step without them (a fit of the whole accumulation finds them
             # while it measures): said once per fit (a review measured 3.33 MiB at every window against a
@@ -676,16 +691,14 @@ class CompiledGraph:
                               f"its plan is the one remat.fit measured at peak {fmt_bytes(self.fit_limit)} on a step "
                               f"without them: the steps that hold them may go over it by their bytes. Fit the whole "
                               f"accumulation: give remat.fit a step function that runs all its micro-batches, from "
-                              f"zero_grad(set_to_none=True).", stacklevel=3)
-            return True
+                              f"zero_grad(set_to_none=True).", stacklevel=4)
+            return
         self.gradients_found = True
         for sig in [sig for sig in STEP.planned if self.index in sig]:  # its record stands: only planned again
             del STEP.planned[sig]
-        log.log(logging.DEBUG if any(g.accumulates for g in STEP.current()) else logging.INFO,  # once a step
-                "remat_fx: graph %d finds its parameters' gradients there when it is called (a gradient "
-                "accumulation, or zero_grad(set_to_none=False)): the step's peak_budget counts them from now on, "
-                "and the step is planned again", self.index)
-        return True
+        log.info("remat_fx: graph %d found its parameters' gradients there when it was called (a gradient "
+                 "accumulation, or zero_grad(set_to_none=False)): the step's peak_budget counts them from now on, "
+                 "and the step is planned again", self.index)
 
     def _over_planned_sizes(self, args) -> None:
         """Where a graph of dynamic sizes, planned under a byte limit at the sizes of the call that
@@ -994,6 +1007,9 @@ class _Step:
         # output storages of graphs without a backward (a frozen part's), called with grad enabled: storage key
         # -> whether it is gone (made_without_grad); kept across a step's start, which such a call may precede
         self.made_no_grad: Dict[int, Callable[[], bool]] = {}
+        # (graph, its call's weak reference) where a call of this step found its parameters' gradients there
+        # (CompiledGraph._gradients_counted once the step's backward begins with the call alive)
+        self.found_there: list = []
 
     def enter(self, graph: CompiledGraph, gradients_there: bool = False) -> None:
         """``graph`` is called in a training step: the first forward after a backward begins a new one.
@@ -1007,6 +1023,7 @@ class _Step:
             # or two models, ran each shape's second step at its first calls' plans, over the limit.)
             newer = not graph.entered and all(graph.index > g.index for g in self.last)
             self.calls, self.made, self.made_storages, self.backward_began = [], {}, {}, False
+            self.found_there = []
             self.number += 1
             self.auto = {k: v for k, v in self.auto.items() if k >= self.number}
             if self.number not in self.auto and any(g.options.step_peak == "auto" for g in self.last):
@@ -1049,16 +1066,18 @@ class _Step:
             self.made = {id(r()): (io, k, r) for _, _, io in self.calls for k, r in enumerate(io.outputs)
                          if r() is not None}
 
-    def watch(self, graph: CompiledGraph, out, args=()) -> None:
+    def watch(self, graph: CompiledGraph, out, args=()) -> Optional[Callable]:
+        """Record a call of ``graph`` in the step; its weak reference (alive until its backward, or until
+        its outputs are dropped without one), None where it has nothing to backward."""
         node = _graph_node(out)
         if node is None:
-            return
+            return None
         if graph.settled and self.leaves is None:
             io = _Light()
             pending = _Pending(io)
             node.register_prehook(pending)
             self.calls.append((graph, weakref.ref(pending), io))
-            return
+            return self.calls[-1][1]
         distributed = _distributed()
         io = CallIO(out, args, params=distributed)
         io.plan, io.hooked = graph.plan, saved_tensors_hooked()
@@ -1101,21 +1120,23 @@ class _Step:
             self.made[id(ref())] = (io, k, ref)
         self.made_storages.update(zip(io.keys, io.expired))
         self.calls.append((graph, weakref.ref(pending), io))
+        return self.calls[-1][1]
 
-    def made_without_grad(self, out) -> None:
+    def made_without_grad(self, out, args=()) -> None:
         """The outputs of a call of a graph without a backward (the blocks of a frozen part, before a graph
         break: nothing in it needs a gradient; one called under ``torch.no_grad()``): tensors without a ``grad_fn`` that a
         later call of the step may read and keep, which no graph's estimate counts (a review: a frozen
         prefix's output, 64 KiB, under the measured step at every step, and a byte limit between the two
         missed). Read as made by eager code in the step (``watch``) while they are alive, until the step's
-        backward begins."""
+        backward begins. Not an output on an input's storage (a view of the batch: made before the step)."""
         self.made_no_grad = {k: gone for k, gone in self.made_no_grad.items() if not gone()}
         if len(self.made_no_grad) > 4 * self._MAX_CALLS:
             return
+        inputs = {storage_key(a) for a in args if isinstance(a, torch.Tensor)}
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.grad_fn is None:
                 key = storage_key(t)
-                if key is not None:
+                if key is not None and key not in inputs:
                     self.made_no_grad[key] = storage_ref(t)[1]
 
     def _without_grad(self, a: torch.Tensor) -> bool:
@@ -1148,6 +1169,10 @@ class _Step:
             # a frozen part's outputs made before this backward are the next steps' inputs made before them
             # (features computed once and read at every step), not memory of theirs
             self.made_no_grad = {}
+            counted = {g.index: g for g, call in self.found_there if call() is not None and not g.accumulates}
+            self.found_there = []
+            for _, g in sorted(counted.items()):
+                g._gradients_counted()
             self.positions, self.lowest, self.begun = position, None, set()
             self.last_versions = tuple(g.version for g in self.last)
             for g in {id(g): g for g in self.last}.values():
@@ -1773,9 +1798,19 @@ def _after_step(calls: List[CompiledGraph]) -> None:
     byte limit it missed alone (``_fits_once_released``): planned now, on the step's record."""
     # a step of one call compiled from a step record of a plan: through the ranks' exchange as where it
     # was planned (the graph over its limit then), so that every rank makes the same exchanges
-    if (len(calls) < 2 and not any(g.over or g.gradients_found or (g.step_record or {}).get("kind") == "plan"
-                                   for g in calls)) or any(g.plan is None for g in calls):
+    if any(g.plan is None for g in calls):
         return
+    if len(calls) < 2 and not any(g.over or g.gradients_found or (g.step_record or {}).get("kind") == "plan"
+                                  for g in calls):
+        # planned at its compile, where the step is the graph: but for what the step gives it that its
+        # compile did not see (an input made in the step that it keeps through its backward, a frozen
+        # prefix's output: 11.36 MB measured against a peak_budget of 11.1 at every step, a review), planned
+        # as a whole once, where its estimate is over a byte peak_budget
+        if not calls or step_limit_given(calls[0].options) != "peak_budget" or _signature(calls) in STEP.planned:
+            return
+        if step_estimate(calls) <= step_limit(calls[0].options):
+            STEP.planned[_signature(calls)] = None  # looked at once (again where its graph finds gradients there)
+            return
     sig = _signature(calls)
     if sig in STEP.planned:
         failed = STEP.planned[sig]
@@ -1930,7 +1965,9 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
                      "call's lowering again", _step_limits(opts), fmt_bytes(peak),
                      ", ".join(str(g.index) for g in switched))
             return StepKept(_as_lowered(calls), peak)
-    if not (exceeded or any(g.over for g in calls)):
+    if not (exceeded or found or any(g.over for g in calls)):
+        # (with the gradients just found there: planned on the step's estimate that counts them, from the top of
+        # the grid, where the plans it runs were made for a limit read without them, under "auto": lower)
         return None
     try:
         return plan_step(calls, limit=limit, saved_limit=saved_limit)

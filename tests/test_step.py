@@ -2722,9 +2722,10 @@ def test_a_gradient_accumulation_holds_a_byte_peak_budget_from_before_its_gradie
     which in the later ones holds the gradients the first one made: the accumulation measured their
     bytes over the limit at every window (4.90 MiB against 4 with the model one graph, 5.02 against 4.8
     with a graph break). The graphs find the gradients there when the second micro-batch calls them,
-    and the step's estimate counts them from its start from then on: every window within the limit
-    (the first too: planned before its second micro-batch), the report and a warning saying so, and
-    the eager accumulation's gradients. Under peak_budget="auto" the device's reading at a later
+    and once its backward begins (not an eval forward's, without one) the step's estimate counts them
+    from its start: every window after the first within the limit (the first one's second micro-batch
+    ran at the plans made without them), the report and a warning saying so, and the eager
+    accumulation's gradients. Under peak_budget="auto" the device's reading at a later
     micro-batch's start lacks the gradients there, which the step counts as its own: they are added to
     it (taken off twice, the limit would be theirs less): the same plans as the limit in bytes."""
     import logging
@@ -2749,7 +2750,7 @@ def test_a_gradient_accumulation_holds_a_byte_peak_budget_from_before_its_gradie
     window = window_of(torch.compile(model, backend="remat", options={"lower": "eager", "peak_budget": limit}))
     with caplog.at_level(logging.WARNING, logger="remat_fx"):
         peaks = [step_peak_bytes(window) for _ in range(3)]
-    assert max(peaks) <= limit, [fmt_bytes(p) for p in peaks]
+    assert max(peaks[1:]) <= limit, [fmt_bytes(p) for p in peaks]
     said = [r.getMessage() for r in caplog.records if "gradients there" in r.getMessage()]
     assert len(said) == 1 and re.search(
         rf"find their parameters' gradients there when they are called \(a gradient accumulation's later "
@@ -2774,7 +2775,7 @@ def test_a_gradient_accumulation_holds_a_byte_peak_budget_from_before_its_gradie
         p.grad.numel() * 4 for p in model.parameters() if p.grad is not None)) or readings[-1])
     window = window_of(torch.compile(model, backend="remat", options={"lower": "eager", "peak_budget": "auto"}))
     peaks = [step_peak_bytes(window) for _ in range(3)]
-    assert max(peaks) <= limit, [fmt_bytes(p) for p in peaks]
+    assert max(peaks[1:]) <= limit, [fmt_bytes(p) for p in peaks]
     assert min(readings) < limit  # read with the gradients there
     again = [(i, plan.total_bytes) for i, plan, _ in remat.step_report().calls]
     assert [(i - again[0][0], b) for i, b in again] == [(i - plans[0][0], b) for i, b in plans]
@@ -2869,3 +2870,80 @@ def test_a_frozen_part_s_outputs_made_before_the_last_backward_are_the_step_s_in
         run(features).square().mean().backward()
         made.append([nbytes for _, nbytes, _ in STEP.last_io[0].external])
     assert made == [[2 * 128 * 64 * 4], [], []]
+
+
+class _FrozenThenTrained(torch.nn.Module):
+    """3 frozen blocks, a graph break, 3 trained blocks in one graph: the frozen part's output is the
+    trained graph's input, saved by its first block, whose backward runs last."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = torch.nn.Sequential(*[_ns["Block"](64) for _ in range(3)]).requires_grad_(False)
+        self.trained = torch.nn.Sequential(*[_ns["Block"](64) for _ in range(3)])
+
+    def forward(self, x):
+        h = self.frozen(x)
+        torch._dynamo.graph_break()
+        return self.trained(h).square().mean()
+
+
+def test_an_input_made_in_the_step_is_counted_through_the_backward_that_keeps_it():
+    """A review: a frozen prefix's output (256 KiB) kept by the one trained graph after it was counted
+    until that graph's backward began, and it is alive there up to its first block's backward, the
+    last: 11.36 MB measured at every step against a peak_budget of 11.1 MB, the estimate 3.7 KB under
+    the limit and nothing said (a step of one call was not planned as a whole at all). It is counted
+    in the backward up to its last use there, and a step of one call whose estimate is over a byte
+    peak_budget is planned as a whole: the estimate is the measured peak, and the limit holds from the
+    second step."""
+    torch.manual_seed(0)
+    model = _FrozenThenTrained()
+    x = torch.randn(8, 128, 64, generator=torch.Generator().manual_seed(1))
+
+    def step_of(run):
+        def step():
+            model.zero_grad(set_to_none=True)
+            run(x).backward()
+        return step
+
+    step_of(model)()
+    reference = [p.grad.clone() for p in model.trained.parameters()]
+    step = step_of(torch.compile(model, backend="remat", options={"lower": "eager"}))
+    measured = _measure(step)
+    assert abs(remat.step_report().peak.peak - measured) <= 1024, (remat.step_report().peak.peak, measured)
+    torch._dynamo.reset()
+    STEP.reset()
+    step = step_of(torch.compile(model, backend="remat", options={"lower": "eager", "peak_budget": 11_100_000}))
+    measured = _measure(step)
+    assert measured <= 11_100_000 and abs(remat.step_report().peak.peak - measured) <= 1024
+    for got, want in zip([p.grad for p in model.trained.parameters()], reference):
+        torch.testing.assert_close(got, want)
+
+
+def test_an_eval_forward_with_grad_enabled_between_steps_is_not_an_accumulation(caplog):
+    """A review: under zero_grad at each step's start the last step's gradients are there between steps,
+    and an eval forward with grad enabled (no backward, its output dropped) found them and was taken
+    for a gradient accumulation: the step was planned again counting them, for good (more recomputed,
+    4.20 -> 3.02 MB measured under a 4.5 MB limit). The gradients found count once the step's backward
+    begins with that call alive."""
+    import logging
+
+    torch.manual_seed(0)
+    model = _ns["Model"](n=8)
+    x = torch.randn(2, 128, 64, generator=torch.Generator().manual_seed(1))
+    run = torch.compile(model, backend="remat", options={"lower": "eager", "peak_budget": 4_500_000})
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        run(x).backward()
+
+    for _ in range(3):
+        step()
+    before = [(i, plan.total_bytes) for i, plan, _ in remat.step_report().calls]
+    with caplog.at_level(logging.INFO, logger="remat_fx"):
+        for _ in range(2):
+            run(x)  # an eval forward with grad enabled, its output dropped
+            step()
+            step()
+    assert not [r for r in caplog.records if "gradients there" in r.getMessage()]
+    assert remat.step_report().gradients_there == 0
+    assert [(i, plan.total_bytes) for i, plan, _ in remat.step_report().calls] == before

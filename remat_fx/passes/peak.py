@@ -51,6 +51,10 @@ class PeakEstimate:
     # per forward input (placeholder name): the forward's peak up to its last use, and after it (where an
     # input the caller gives and holds nowhere else is alive: remat_fx/step.py step_costs)
     inputs: Tuple[Tuple[str, int, int], ...] = ()
+    # per forward input the forward saves for the backward (its placeholder name): the backward's peak
+    # (``held`` included, as ``backward``) up to the backward's last use of it, and after it (where such
+    # an input made in the step is alive through the backward: remat_fx/step.py step_costs)
+    backward_inputs: Tuple[Tuple[str, int, int], ...] = ()
 
     @property
     def step(self) -> int:
@@ -503,6 +507,24 @@ def forward_simulation(gm: fx.GraphModule, inline: bool = False) -> Tuple[int, T
     return max(live), spans
 
 
+def backward_simulation(bw: fx.GraphModule, counted: Iterable[str], shared: Dict[str, str], inline: bool,
+                        donated: Iterable[str], inputs: Set[str]) -> Tuple[int, Tuple[Tuple[str, int, int], ...]]:
+    """(``simulate(bw, ...)[0]``, per forward input in ``inputs`` that the backward reads (a saved
+    placeholder of ``bw`` whose ``shared`` storage is it: (its name, the peak up to the backward's last
+    use of it, the peak after it))): one timeline for both. The input's own bytes are in neither."""
+    nodes, _, _, live, last = _timeline(bw, counted, shared, inline, donated)
+    n = len(live)
+    before, after = list(live), list(live) + [0]
+    for t in range(1, n):
+        before[t] = max(before[t - 1], live[t])
+    for t in range(n - 1, -1, -1):
+        after[t] = max(after[t + 1], live[t])
+    names = {shared.get(node.name) for node in nodes if node.op == "placeholder"} & set(inputs)
+    spans = tuple((name, before[min(last[name], n - 1)], after[min(last[name], n - 1) + 1])
+                  for name in sorted(names) if name in last)
+    return max(live), spans
+
+
 def alive_at_peak(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,
                   inline: bool = False, donated: Iterable[str] = ()) -> Tuple[int, fx.Node, List[Tuple[int, object]]]:
     """(bytes at the peak of ``simulate``, the node it is reached at, [(bytes, storage) alive
@@ -622,8 +644,10 @@ def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inlin
     """``forward_peak``, ``forward_inputs``: ``forward_simulation(fw, inline)``, where the caller has it."""
     counted, shared, held, saved, donated = backward_inputs(fw, bw, num_fwd_outputs)
     fw_peak = simulate(fw, inline=inline)[0] if forward_peak is None else forward_peak
-    bw_peak, _ = simulate(bw, counted, shared, inline=inline, donated=donated)
-    return PeakEstimate(forward=fw_peak, backward=held + bw_peak, saved=saved, held=held, inputs=forward_inputs)
+    fw_inputs = {n.name for n in fw.graph.nodes if n.op == "placeholder"}
+    bw_peak, spans = backward_simulation(bw, counted, shared, inline, donated, fw_inputs)
+    return PeakEstimate(forward=fw_peak, backward=held + bw_peak, saved=saved, held=held, inputs=forward_inputs,
+                        backward_inputs=tuple((name, held + up_to, held + rest) for name, up_to, rest in spans))
 
 
 class PeakInfeasible(RematError):
