@@ -1124,11 +1124,12 @@ class _Step:
 
     def made_without_grad(self, out, args=()) -> None:
         """The outputs of a call of a graph without a backward (the blocks of a frozen part, before a graph
-        break: nothing in it needs a gradient; one called under ``torch.no_grad()``): tensors without a ``grad_fn`` that a
-        later call of the step may read and keep, which no graph's estimate counts (a review: a frozen
-        prefix's output, 64 KiB, under the measured step at every step, and a byte limit between the two
-        missed). Read as made by eager code in the step (``watch``) while they are alive, until the step's
-        backward begins. Not an output on an input's storage (a view of the batch: made before the step)."""
+        break: nothing in it needs a gradient; one called under ``torch.no_grad()``): tensors without a
+        ``grad_fn`` that a later call of the step may read and keep, which no graph's estimate counts (a
+        review: a frozen prefix's output, 64 KiB, under the measured step at every step, and a byte limit
+        between the two missed). Read as made by eager code in the step (``watch``) while they are alive,
+        until the step's backward begins. Not an output on an input's storage (a view of the batch: made
+        before the step)."""
         self.made_no_grad = {k: gone for k, gone in self.made_no_grad.items() if not gone()}
         if len(self.made_no_grad) > 4 * self._MAX_CALLS:
             return
@@ -1806,7 +1807,9 @@ def _after_step(calls: List[CompiledGraph]) -> None:
         # compile did not see (an input made in the step that it keeps through its backward, a frozen
         # prefix's output: 11.36 MB measured against a peak_budget of 11.1 at every step, a review), planned
         # as a whole once, where its estimate is over a byte peak_budget
-        if not calls or step_limit_given(calls[0].options) != "peak_budget" or _signature(calls) in STEP.planned:
+        # (not under a process group: each rank's own estimate would decide whether it joins the ranks' exchange)
+        if not calls or step_limit_given(calls[0].options) != "peak_budget" or _signature(calls) in STEP.planned \
+                or _distributed():
             return
         if step_estimate(calls) <= step_limit(calls[0].options):
             STEP.planned[_signature(calls)] = None  # looked at once (again where its graph finds gradients there)
