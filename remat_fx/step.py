@@ -1010,6 +1010,7 @@ class _Step:
         # (graph, its call's weak reference) where a call of this step found its parameters' gradients there
         # (CompiledGraph._gradients_counted once the step's backward begins with the call alive)
         self.found_there: list = []
+        self.options_said: set = set()  # step signatures whose graphs' differing options were warned of
 
     def enter(self, graph: CompiledGraph, gradients_there: bool = False) -> None:
         """``graph`` is called in a training step: the first forward after a backward begins a new one.
@@ -1845,7 +1846,9 @@ def _after_step(calls: List[CompiledGraph]) -> None:
         for g in dict.fromkeys(calls):  # a graph lowered at its least in its first step keeps it (no step's plan)
             g.over, g.first = False, None
         limited = {g.index: _step_limits(g.options) for g in calls}
-        if any(limited.values()):
+        if any(limited.values()) and sig not in STEP.options_said:
+            # once (looked at again where a graph of it finds gradients there: a step without zero_grad)
+            STEP.options_said.add(sig)
             warnings.warn(
                 "remat_fx: the graphs of this step were compiled with different options ("
                 + "; ".join(f"graph {i}: {text or 'no whole-step limit'}" for i, text in limited.items())

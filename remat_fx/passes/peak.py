@@ -496,15 +496,19 @@ def forward_simulation(gm: fx.GraphModule, inline: bool = False) -> Tuple[int, T
     """(``simulate(gm, inline=inline)[0]``, per placeholder (name, the peak up to its last use, the peak
     after it)): one timeline for both."""
     nodes, _, _, live, last = _timeline(gm, (), None, inline)
+    span = _spans(live)
+    return max(live), tuple((node.name, *span(last[node])) for node in nodes if node.op == "placeholder")
+
+
+def _spans(live: List[int]) -> Callable[[int], Tuple[int, int]]:
+    """For a timeline's bytes live per position: position -> (the peak up to it, the peak after it)."""
     n = len(live)
     before, after = list(live), list(live) + [0]
     for t in range(1, n):
         before[t] = max(before[t - 1], live[t])
     for t in range(n - 1, -1, -1):
         after[t] = max(after[t + 1], live[t])
-    spans = tuple((node.name, before[min(last[node], n - 1)], after[min(last[node], n - 1) + 1])
-                  for node in nodes if node.op == "placeholder")
-    return max(live), spans
+    return lambda t: (before[min(t, n - 1)], after[min(t, n - 1) + 1])
 
 
 def backward_simulation(bw: fx.GraphModule, counted: Iterable[str], shared: Dict[str, str], inline: bool,
@@ -513,16 +517,9 @@ def backward_simulation(bw: fx.GraphModule, counted: Iterable[str], shared: Dict
     placeholder of ``bw`` whose ``shared`` storage is it: (its name, the peak up to the backward's last
     use of it, the peak after it))): one timeline for both. The input's own bytes are in neither."""
     nodes, _, _, live, last = _timeline(bw, counted, shared, inline, donated)
-    n = len(live)
-    before, after = list(live), list(live) + [0]
-    for t in range(1, n):
-        before[t] = max(before[t - 1], live[t])
-    for t in range(n - 1, -1, -1):
-        after[t] = max(after[t + 1], live[t])
+    span = _spans(live)
     names = {shared.get(node.name) for node in nodes if node.op == "placeholder"} & set(inputs)
-    spans = tuple((name, before[min(last[name], n - 1)], after[min(last[name], n - 1) + 1])
-                  for name in sorted(names) if name in last)
-    return max(live), spans
+    return max(live), tuple((name, *span(last[name])) for name in sorted(names) if name in last)
 
 
 def alive_at_peak(gm: fx.GraphModule, counted_inputs: Iterable[str] = (), shared: Dict[str, str] = None,
