@@ -431,6 +431,7 @@ class CompiledGraph:
         # steps were last planned
         self.accumulates = False
         self.gradients_found = False
+        self.gradients_looked = -1  # the step where a call of it last found its parameters' gradients absent
         self.stepped = False  # a step that called it has begun its backward
         # lowered at its least peak for the rest of its first step (_hold_first_step), from the lowering
         # of its first call (kept: taken back where the step, once known, fits with it)
@@ -634,11 +635,15 @@ class CompiledGraph:
                     and not isinstance(next((a for a in args if isinstance(a, torch.Tensor)), None), FakeTensor))
         if training:
             there = False
+            # looked at once a step where absent (a block graph called once per layer: not at every call);
             # (and while remat.fit runs the step: a fit of the whole accumulation has its plans measured with them)
-            if (step_limit_given(self.options) == "peak_budget" or self.fit_limit is not None
-                    or STEP.leaves is not None) and (
+            step = STEP.number + STEP.backward_began  # the step this call is in
+            if self.gradients_looked != step and (step_limit_given(self.options) == "peak_budget"
+                                                  or self.fit_limit is not None or STEP.leaves is not None) and (
                     not self.accumulates or (STEP.backward_began and self.options.step_peak == "auto")):
                 there = self._gradients_there(args)
+                if not there:
+                    self.gradients_looked = step
             STEP.enter(self, there)
             if not self.stepped:
                 _hold_first_step(self)
@@ -662,7 +667,8 @@ class CompiledGraph:
         """Whether its parameters' gradients are there when it is called (a gradient accumulation's later
         micro-batches, or ``zero_grad(set_to_none=False)``). Checked before the step is entered, until
         it has been found so in a step that reached its backward (_gradients_counted), and under
-        ``peak_budget="auto"`` at each step's first call (_Step.enter: the device's reading lacks them)."""
+        ``peak_budget="auto"`` at each step's first call (_Step.enter: the device's reading lacks them);
+        where absent, not again in that step (5 us a call over 16 parameters)."""
         return any(isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad and a.grad is not None
                    for a in args)
 
