@@ -211,8 +211,9 @@ class Plan:
             cap = "" if self.peak_budget is None else (f", peak_budget {fmt_bytes(self.peak_budget)} "
                                                        f"({self.peak_evaluations} plans estimated)")
             cap += "; the search's choice read from the plan cache" if self.from_cache else ""
-            lines.append(f"  estimated step peak {fmt_bytes(self.peak.step)} (forward {fmt_bytes(self.peak.forward)}, "
-                         f"backward {fmt_bytes(self.peak.backward)}){cap}")
+            lines.append(f"  estimated peak of this graph as a step alone {fmt_bytes(self.peak.step)} (forward "
+                         f"{fmt_bytes(self.peak.forward)}, backward {fmt_bytes(self.peak.backward)}; its outputs held "
+                         f"through its backward; the whole step's: remat.step_report()){cap}")
         if self.lowered is not None:
             lines.append(f"  lowered: Inductor's schedule peaks at {fmt_bytes(self.lowered.step)} (forward "
                          f"{fmt_bytes(self.lowered.forward)}, backward {fmt_bytes(self.lowered.backward)})"
