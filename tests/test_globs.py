@@ -308,3 +308,76 @@ def test_a_recompute_glob_over_two_regions_keeps_their_boundary_within_a_memory_
     boundary = [s for s in plan.saved if s.reason.startswith("region boundary: read by a later checkpoint region")]
     assert [s.bytes for s in boundary] == [512], str(plan)
     assert plan.total_bytes <= plan.budget.target, str(plan)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_a_glob_every_layers_region_shares_warns_only_where_it_selects_in_none(mode, monkeypatch):
+    """A review: save=["L[02].fc1"] given to each of 4 layer regions (keep the even layers' fc1)
+    warned for every region it found nothing in, in both modes: 2 warnings a step for a glob that
+    does its job. It is judged over the regions that share it; a typo in the same place still warns."""
+    from remat_fx.runtime import checkpoint as region
+
+    monkeypatch.setattr(region, "_GLOBS_SEEN", set())
+    monkeypatch.setattr(region, "_GLOBS_PENDING", {})
+    eye = torch.eye(16)
+
+    def layers(x, glob):
+        for i in range(4):
+            body = lambda h, i=i: remat.native_op(torch.mm, f"L{i}.fc1")(h, eye).sin()  # noqa: E731
+            x = remat.checkpoint(f"layers.{i}", save=[glob])(body)(x)
+        return x.sum()
+
+    def said(glob):
+        torch._dynamo.reset()
+        x = torch.randn(8, 16, requires_grad=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if mode == "compile":
+                torch.compile(lambda x: layers(x, glob), backend="remat", fullgraph=True,
+                              options={"lower": "eager"})(x).backward()
+            else:
+                layers(x, glob).backward()
+        return [str(w.message) for w in caught if "glob" in str(w.message)]
+
+    assert said("L[02].fc1") == []
+    if mode == "compile":
+        assert sorted(remat.last_plan().bytes_by_owner()) == ["L0.fc1", "L2.fc1"]
+    typo = said("L[02].fc2")
+    assert len(typo) == 4 and all("save glob 'L[02].fc2' matched no" in t for t in typo), typo
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native_op", "annotate"])
+def test_one_name_with_two_policies_in_a_region_warns_under_compile(native):
+    """A review: two ops of one region named alike with opposite policies (SAVE and RECOMPUTE) are
+    refused by the eager tape ("used twice"), and compiled they went under one row of the plan
+    without a word. Compiled, each op keeps its own policy and a warning names the name; the same
+    name with one policy (the calls of a nested region) stays silent."""
+    P = remat.CheckpointPolicy
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(16, 64, requires_grad=True), torch.randn(64, 16, requires_grad=True)
+
+    def body(x, second):
+        if native:
+            h = remat.native_op(torch.mm, "mm", policy=P.SAVE)(x, w1)
+            return remat.native_op(torch.mm, "mm", policy=second)(torch.tanh(h), w2).sum()
+        with remat.annotate("blk", policy=P.SAVE):
+            h = x @ w1
+        with remat.annotate("blk", policy=second):
+            h = torch.tanh(h) @ w2
+        return h.sum()
+
+    x = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match=r"is used twice in checkpoint region 'r'"):
+        remat.checkpoint("r")(body)(x, P.RECOMPUTE)
+    for second, want in ((P.RECOMPUTE, 1), (P.SAVE, 0)):
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.compile(lambda x: remat.checkpoint("r")(body)(x, second), backend="remat", fullgraph=True,
+                          options={"lower": "eager"})(x).backward()
+        texts = [str(w.message) for w in caught if "different policies" in str(w.message)]
+        name = "mm" if native else "blk"
+        assert texts == [f"remat_fx: the name '{name}' is given in checkpoint region 'r' to ops with different "
+                         f"policies (RECOMPUTE, SAVE); each op keeps its own, but the plan files them under the one "
+                         f"name, and the eager runtime refuses a name used twice in one region. Give each call its "
+                         f"own name (e.g. with the layer index)."][:want], texts

@@ -173,10 +173,20 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
         if region_globs(custom) is not None:
             raw = tuple(map(tuple, custom[META_REGION_GLOBS]))
             regions.setdefault((custom.get(META_REGION), raw), []).append(node)
+    selected = {}
     for (region, raw), inside in regions.items():
         chosen, unmatched = select(joint, _globs_of(raw), inside)
         by_region.update(chosen)
-        _warn_unmatched(joint, inside, unmatched, f"region '{region}'", options.warned)
+        selected[(region, raw)] = unmatched
+    # a glob given to every layer's region that selects in some of them ("L[0246].fc1": the even
+    # layers) is not said once for each region it finds nothing in (a review: 4 warnings a graph)
+    decided = {(kind, pattern) for (_, raw), unmatched in selected.items()
+               for kind, patterns in zip(("SAVE", "OFFLOAD", "RECOMPUTE"), raw) for pattern in patterns
+               if (kind, pattern) not in {(k, p) for k, p, _ in unmatched}}
+    for (region, raw), unmatched in selected.items():
+        _warn_unmatched(joint, regions[(region, raw)], [u for u in unmatched if u[:2] not in decided],
+                        f"region '{region}'", options.warned)
+    _warn_conflicting_names(joint, options.warned)
     tags: Dict[fx.Node, Tag] = {}
     for node in joint.forward:
         tag = tag_node(joint, node, options, by_option.get(node), by_region.get(node))
@@ -268,6 +278,31 @@ def _warn_offload(joint: JointGraph, tags: Dict[fx.Node, Tag], warned: set) -> N
     warnings.warn(f"remat_fx: compiler mode does not offload: {len(names)} value(s) marked OFFLOAD ({shown}) are "
                   f"kept on the device as SAVE and no offloader is called. Run the region eagerly (the named tape "
                   f"offloads them) or mark them SAVE.", UserWarning, stacklevel=3)
+
+
+def _warn_conflicting_names(joint: JointGraph, warned: set) -> None:
+    """One warning per name given, in one checkpoint region of this graph, to ops whose call sites
+    wrote different policies (``native_op(..., "mm", policy=SAVE)`` and another ``"mm"`` with
+    RECOMPUTE). The eager tape refuses a name used twice in one region call; the joint graph cannot
+    tell two calls of a nested region apart (a check refusing every repeat refused valid nested
+    regions), but one name with two policies is at fault either way: each op keeps its own policy,
+    and the plan files both under the one name."""
+    policies: Dict[tuple, set] = {}
+    for node in joint.forward:
+        custom = joint.custom(node)
+        name, written = custom.get(META_NAME), custom.get(META_POLICY)
+        if name is not None and written is not None and custom.get(META_KIND) in ("op", "native", "annotate"):
+            policies.setdefault((custom.get(META_REGION), node.meta.get("ac_graph_id"), name), set()).add(written)
+    for (region, _, name), written in policies.items():
+        key = ("conflicting names", region, name)
+        if len(written) < 2 or key in warned:
+            continue
+        warned.add(key)
+        where = "a torch.utils.checkpoint region" if region is None else f"checkpoint region '{region}'"
+        warnings.warn(f"remat_fx: the name '{name}' is given in {where} to ops with different policies "
+                      f"({', '.join(sorted(written))}); each op keeps its own, but the plan files them under the one "
+                      f"name, and the eager runtime refuses a name used twice in one region. Give each call its "
+                      f"own name (e.g. with the layer index).", UserWarning, stacklevel=3)
 
 
 def _warn_unmatched(joint: JointGraph, nodes: Iterable[fx.Node], unmatched: List[Tuple[str, str, list]],

@@ -246,9 +246,12 @@ def _report_globs() -> None:
         return
     pending = list(_GLOBS_PENDING.items())
     _GLOBS_PENDING.clear()
+    # a glob given to every layer's region that selects in some of them ("L[0246].fc1": the even
+    # layers) is not said once for each region it finds nothing in
+    decided = {(kind, pattern) for (_, kind, pattern), (matched, _, _) in pending if matched}
     for (name, kind, pattern), (matched, seen, taken) in pending:
         _GLOBS_SEEN.add((name, kind, pattern))
-        if matched:
+        if matched or (kind, pattern) in decided:
             continue
         if taken:
             warnings.warn(shadowed_message(f"region '{name}' {kind}", pattern, list(taken), next(iter(taken.values()))),
