@@ -284,6 +284,12 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
     sig = _signature(calls)
     planned_before = STEP.planned.get(sig, _ABSENT)
     STEP.planned[sig] = "fit"  # the step coordinator leaves this step to the fit
+    compiled = graphs[0].options.step_peak
+    if compiled is not None and compiled != "auto" and compiled.nbytes is not None and compiled.nbytes < limit:
+        # a review: the report printed the compile's limit beside a step over it, without a word
+        warnings.warn(f"remat_fx: remat.fit(peak={fmt_bytes(limit)}) plans this step in place of its compile's "
+                      f"peak_budget {fmt_bytes(compiled.nbytes)}, which is lower: the step may go over that one. "
+                      f"Give remat.fit the limit the step must hold.", stacklevel=2)
     user = graphs[0].options.memory_budget
     result = FitResult(limit, None, 0, graphs=len(graphs), calls=len(calls),
                        compiled=user.fraction if user is not None and user.nbytes is None else None)
@@ -357,14 +363,21 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
         chosen = _largest_fitting(grid, start, evaluate, estimate, target)
         if chosen is None:
             least = min(result.tried, key=result.tried.get)
+            outside = result.tried[least] - result.estimates.get(least, result.tried[least])
+            # a review: 63 MiB of an eager LM head and loss, which no plan of the graphs lowers, went unsaid
+            beyond = "" if outside < max(2**20, result.tried[least] // 4) else (
+                f" At that plan the compiled graphs are estimated at {fmt_bytes(result.estimates[least])}: about "
+                f"{fmt_bytes(outside)} of the measured peak is outside them (eager code, such as an LM head and loss "
+                f"or an embedding, and what the step keeps before it starts), which no plan of theirs lowers; "
+                f"compile that code with the same options, or shrink it.")
             raise PeakInfeasible(
                 f"remat_fx: remat.fit: no plan measured a step peak at or under {fmt_bytes(target)} ({target:,} "
                 f"bytes: the limit {fmt_bytes(limit)} less the margin {margin:g}): "
                 f"the least measured is {fmt_bytes(result.tried[least])} ({result.tried[least]:,} bytes), with every "
                 f"graph at memory_budget {_named(least, result.compiled)}. Raise the limit to at least "
-                f"{_at_least(result.tried[least], margin):,} bytes, or shrink the step (batch, sequence length). The "
-                f"step's graphs are lowered back as they were before remat.fit's search (with the compile's options "
-                f"where fit compiled them from its cache).")
+                f"{_at_least(result.tried[least], margin):,} bytes, or shrink the step (batch, sequence length).{beyond} "
+                f"The step's graphs are lowered back as they were before remat.fit's search (with the compile's "
+                f"options where fit compiled them from its cache).")
         best = grid[chosen]
         if list(result.tried)[-1] != best:
             together(lambda: [g.relower(shared_options(g.options, best)) for g in graphs],

@@ -1017,6 +1017,10 @@ class _Step:
         # (CompiledGraph._gradients_counted once the step's backward begins with the call alive)
         self.found_there: list = []
         self.options_said: set = set()  # step signatures whose graphs' differing options were warned of
+        # the last step's loss made by eager code from its calls' outputs: the position of its last forward
+        # call (None: a compiled graph returned the loss); and the step signatures where that was said
+        self.eager_loss: Optional[int] = None
+        self.eager_loss_said: set = set()
 
     def enter(self, graph: CompiledGraph, gradients_there: bool = False) -> None:
         """``graph`` is called in a training step: the first forward after a backward begins a new one.
@@ -1183,9 +1187,44 @@ class _Step:
                 g._gradients_counted()
             self.positions, self.lowest, self.begun = position, None, set()
             self.last_versions = tuple(g.version for g in self.last)
+            self._note_eager_loss()
             for g in {id(g): g for g in self.last}.values():
                 g.steps += 1
                 g.stepped = True
+
+    def _note_eager_loss(self) -> None:
+        """Whether the step's loss is an output of one of its calls (a graph returning a scalar that
+        needs a gradient), or eager code made it from their outputs: an eager LM head and loss after
+        blocks compiled one by one, or ``F.cross_entropy`` on a compiled model's logits. What that code
+        holds (logits, their log-softmax and gradient; the gradients of parameters no graph reads) is
+        not in the step's estimate: a review measured 103.16 MiB against an estimate of 35.59 under a
+        peak_budget of 90 MiB, every step, silently. Said once per step's shape under a byte limit."""
+        ios = [io for io in self.last_io if not isinstance(io, _Light)]
+        if not ios:
+            return  # a settled step's light record: as its settling step found
+        scalar = False
+        for io in ios:
+            for ref in io.outputs:
+                t = ref()
+                if t is not None and t.requires_grad and t.numel() == 1 and t.is_floating_point():
+                    scalar = True
+        self.eager_loss = None if scalar else len(self.last) - 1
+        if scalar or self.leaves is not None:
+            return
+        limited = [g for g in self.last if step_limit_given(g.options) == "peak_budget"]
+        sig = _signature(self.last)
+        if not limited or sig in self.eager_loss_said or self.planned.get(sig) == "fit" or \
+                any(g.fit_limit is not None for g in self.last):
+            return  # (remat.fit measures the whole step, eager code included)
+        self.eager_loss_said.add(sig)
+        shape = f" ({fmt_bytes(sum(ios[-1].sizes))})" if sum(ios[-1].sizes) else ""
+        warnings.warn(f"remat_fx: this step's loss is not an output of a graph compiled with backend='remat': eager "
+                      f"code made it from call {self.eager_loss}'s output{shape}. What that code holds (an eager LM "
+                      f"head's logits, their log-softmax and gradient; the gradients of parameters no graph reads) is "
+                      f"not in the step's estimate, so the measured peak can go over its "
+                      f"{_step_limits(limited[0].options, bytes_only=True)}. Compile that code with the same options "
+                      f"(the loss inside the compiled module or function), or fit the measured step with "
+                      f"remat.fit(step, peak=...).", stacklevel=3)
 
     def backward_of(self, io) -> None:
         """The backward of the step's call ``io`` begins: where that is not in the reverse order of the
@@ -2395,6 +2434,9 @@ class StepReport:
     # bytes of the parameter gradients the step's estimate counts from its start, found there before it
     # (accumulating: a gradient accumulation's later micro-batches); 0: made by the step
     gradients_there: int = 0
+    # the position of the call from whose outputs eager code made the loss (None: a graph returned it)
+    eager_loss: Optional[int] = None
+    fit_limit: Optional[int] = None  # the peak remat.fit planned the step's graphs under (it replaces ``limit``)
 
     @property
     def graphs(self) -> Dict[int, Plan]:
@@ -2416,14 +2458,21 @@ class StepReport:
                  f"{fmt_bytes(p.peak)} (at the {p.phase} of call {p.call}), saved for backward {fmt_bytes(self.saved_bytes)}"
                  + ("" if counted == self.saved_bytes else
                     f" ({fmt_bytes(counted)} with the inputs saved, as a byte memory_budget counts them)")
-                 + ("" if self.limit is None else f"; peak_budget {fmt_bytes(self.limit)}")
+                 + ("" if self.limit is None or self.fit_limit is not None else f"; peak_budget {fmt_bytes(self.limit)}")
+                 + ("" if self.fit_limit is None else f"; planned by remat.fit to a measured peak of "
+                    f"{fmt_bytes(self.fit_limit)}" + ("" if self.limit is None else
+                                                      f" (in place of the compile's peak_budget {fmt_bytes(self.limit)})"))
                  + ("" if not self.gradients_there else
-                    f"; the parameter gradients, {fmt_bytes(self.gradients_there)}, counted from the step's start "
-                    f"(found there before it: a gradient accumulation)"),
+                    f"; the compiled graphs' parameter gradients, {fmt_bytes(self.gradients_there)}, counted from the "
+                    f"step's start (found there before it: a gradient accumulation)"),
                  f"  {'call':>4s} {'graph':>5s} {'saved':>12s} {'held':>12s} {'freed':>12s} {'freed later':>12s} {'fw peak':>12s} "
                  f"{'bw peak':>12s} {'grads':>12s} {'step at fw':>12s} {'step at bw':>12s}  budget"]
         if self.held is not None:
             lines.insert(1, f"  {self.held}")
+        if self.eager_loss is not None:
+            lines.insert(1, f"  not counted: the eager code that made the loss from call {self.eager_loss}'s output (an "
+                            f"eager head's logits and their gradient, the gradients of parameters no graph reads); "
+                            f"compile it with the same options to count it, or measure the step with remat.fit")
         if self.sharding is not None:
             gathered = ", ".join(fmt_bytes(g) for g in self.sharding.gathered)
             lines.insert(1, f"  sharded parameters (FSDP2): gathered per call {gathered}"
@@ -2455,7 +2504,9 @@ def step_report() -> StepReport:
     kind = _gradients_kind(calls)
     return StepReport([(g.index, p, c) for g, p, c in zip(calls, ran_plans(calls, ios), costs)],
                       step_peak(costs, released, later, sharding, gradients=kind) if calls else None, limit, released,
-                      later, sharding, held, grads_left(costs, sharding) if kind == "held" else 0)
+                      later, sharding, held, grads_left(costs, sharding) if kind == "held" else 0,
+                      STEP.eager_loss if calls and STEP.eager_loss is not None and STEP.eager_loss < len(calls) else None,
+                      calls[0].fit_limit if calls else None)
 
 
 def step_estimate(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[CompiledGraph], Plan]] = None) -> int:
