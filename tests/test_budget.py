@@ -172,8 +172,8 @@ def test_infeasible_budget_names_the_minimum_and_what_stays():
     model, inputs = _mlp(dropout=0.5)
     with pytest.raises(Exception, match=r"memory_budget=16 B asks for at most 16 B \(16 bytes\) of saved activations, "
                                         r"below the feasible minimum [0-9.]+ KiB \([0-9,]+ bytes\)(.|\n)*    gt( \(gt_[0-9]\))?: "
-                                        r"512 B \(recomputing it needs rand( \(rand_[0-9]\))? \(random op: saved so backward "
-                                        r"sees the forward's values\), 2.00 KiB(.|\n)*Raise the budget to at least"):
+                                        r"512 B \(made from random op 'rand': saved in its place \(512 bytes against 2,048\) "
+                                        r"so backward sees the forward's draw\)(.|\n)*Raise the budget to at least"):
         _step(model, inputs, {"memory_budget": 16})
 
 
@@ -922,3 +922,33 @@ def test_a_savable_node_whose_recompute_is_blocked_is_saved_when_the_solver_give
     assert closure(problem, set()) == ({"view"}, {"out"})
     monkeypatch.setattr(budget, "_milp", lambda *a, **k: None)  # as when HiGHS runs out of time
     assert minimum(problem, time_limit=0.5) == (32, {"view"})
+
+
+@pytest.mark.parametrize("budget", [None, 0.0])
+def test_dropout_keeps_its_bool_mask_not_the_float_draw(budget):
+    """A review: dropout inside checkpoint regions kept its float32 draw (``rand_like``, 4 bytes an
+    element) for the bool mask backward reads (1 byte), 116,736 bytes where 67,584 do; PyTorch's own
+    min-cut keeps the mask. Each dropout's mask is kept now, the draw not, and the gradients are those
+    of a run that saves everything (the same draws)."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(32, 128) for _ in range(4))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, x):
+            for i, layer in enumerate(self.layers):
+                body = lambda h, layer=layer: torch.nn.functional.dropout(torch.tanh(layer(h)), 0.3)[:, :32]  # noqa
+                x = remat.checkpoint(f"layers.{i}")(body)(x)
+            return x.square().sum()
+
+    model, inputs = Model(), (torch.randn(16, 32, requires_grad=True),)
+    _, want, _, _ = _step(model, inputs, {"save": ["*"]})
+    _, grads, held, plan = _step(model, inputs, {} if budget is None else {"memory_budget": budget})
+    _close(grads, want)
+    masks = [s for s in plan.saved if s.reason.startswith("made from random op")]
+    assert [(s.dtype, s.bytes) for s in masks] == [(torch.bool, 16 * 128)] * 4, str(plan)
+    assert [s for s in plan.saved if s.reason.startswith("random op")] == [], str(plan)
+    assert held == plan.total_bytes

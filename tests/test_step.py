@@ -1567,7 +1567,10 @@ def _backwards_out_of_order(how):
         warnings.simplefilter("always")
         for _ in range(2):
             run(x).backward()
-    assert [str(w.message) for w in said if "remat_fx" in str(w.message)] == []  # the usual step says nothing
+    # the usual step says nothing of its order (its loss, x.square().mean() after the graph break's last
+    # block, is made eagerly: that is said, once)
+    assert [str(w.message)[:60] for w in said if "remat_fx" in str(w.message)] == \
+        ["remat_fx: this step's loss is not an output of a graph compi"]
     if how == "forward order":
         first, second = run(x), run(x * 2)
         with pytest.warns(UserWarning, match=r"the backwards of this step in another order than the reverse of its "
