@@ -2763,7 +2763,7 @@ def test_a_gradient_accumulation_holds_a_byte_peak_budget_from_before_its_gradie
     report = remat.step_report()
     assert report.gradients_there == sum(p.numel() * 4 for p in model.parameters())
     assert report.peak.peak <= limit
-    assert "; the parameter gradients, 1.01 MiB, counted from the step's start (found there before it: a gradient " \
+    assert "; the compiled graphs' parameter gradients, 1.01 MiB, counted from the step's start (found there before it: a gradient " \
            "accumulation)" in str(report)
     for got, want in zip(_grads(model), reference):
         torch.testing.assert_close(got, want)
