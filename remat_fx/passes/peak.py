@@ -55,6 +55,11 @@ class PeakEstimate:
     # (``held`` included, as ``backward``) up to the backward's last use of it, and after it (where such
     # an input made in the step is alive through the backward: remat_fx/step.py step_costs)
     backward_inputs: Tuple[Tuple[str, int, int], ...] = ()
+    # per storage the forward both returns and saves (a model's logits that its loss reads): (its bytes, the
+    # backward's peak up to its last use there, the peak after it), ``held`` included; the backward frees it
+    # at its last use, unless the caller still holds the output (a Hugging Face ModelOutput kept through
+    # backward(): remat_fx/step.py step_costs)
+    saved_outputs: Tuple[Tuple[int, int, int], ...] = ()
 
     @property
     def step(self) -> int:
@@ -642,9 +647,16 @@ def estimate(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, inlin
     counted, shared, held, saved, donated = backward_inputs(fw, bw, num_fwd_outputs)
     fw_peak = simulate(fw, inline=inline)[0] if forward_peak is None else forward_peak
     fw_inputs = {n.name for n in fw.graph.nodes if n.op == "placeholder"}
-    bw_peak, spans = backward_simulation(bw, counted, shared, inline, donated, fw_inputs)
+    fw_out = next(n for n in reversed(fw.graph.nodes) if n.op == "output").args[0]
+    returned = {storage_base(n) for n in fw_out[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    kept = {storage_base(n) for n in fw_out[num_fwd_outputs:] if isinstance(n, fx.Node)}
+    both = {b.name: b for b in returned & kept if b.op != "placeholder"}
+    bw_peak, spans = backward_simulation(bw, counted, shared, inline, donated, fw_inputs | set(both))
     return PeakEstimate(forward=fw_peak, backward=held + bw_peak, saved=saved, held=held, inputs=forward_inputs,
-                        backward_inputs=tuple((name, held + up_to, held + rest) for name, up_to, rest in spans))
+                        backward_inputs=tuple((name, held + up_to, held + rest) for name, up_to, rest in spans
+                                              if name in fw_inputs),
+                        saved_outputs=tuple((storage_bytes(both[name]), held + up_to, held + rest)
+                                            for name, up_to, rest in spans if name in both))
 
 
 class PeakInfeasible(RematError):
