@@ -1242,11 +1242,10 @@ class _Step:
                 any(g.fit_limit is not None for g in self.last):
             return  # (remat.fit measures the whole step, eager code included)
         self.eager_loss_said.add(sig)
-        shape = f" ({fmt_bytes(sum(ios[-1].sizes))})" if sum(ios[-1].sizes) else ""
         warnings.warn(f"remat_fx: this step's loss is not an output of a graph compiled with backend='remat': eager "
-                      f"code made it from call {self.eager_loss}'s output{shape}. What that code holds (an eager LM "
-                      f"head's logits, their log-softmax and gradient; the gradients of parameters no graph reads) is "
-                      f"not in the step's estimate, so the measured peak can go over its "
+                      f"code made it from call {self.eager_loss}'s outputs. What that code holds (a cross-entropy's "
+                      f"log-softmax and its gradient, an eager LM head's logits, the gradients of parameters no graph "
+                      f"reads) is not in the step's estimate, so the measured peak can go over its "
                       f"{_step_limits(limited[0].options, bytes_only=True)}. Compile that code with the same options "
                       f"(the loss inside the compiled module or function), or fit the measured step with "
                       f"remat.fit(step, peak=...).", stacklevel=3)
@@ -1568,13 +1567,14 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
     try:
         graph.compile(per_graph)
     except (PeakInfeasible, BudgetInfeasible):  # the calls before it took the step's limit
+        left = [f"{what} {'nothing' if nbytes <= 1 else fmt_bytes(nbytes)}" for what, nbytes in (
+            ("peak_budget", per_graph.peak_budget),
+            ("memory_budget", None if per_graph.memory_budget is None else per_graph.memory_budget.nbytes))
+            if nbytes is not None]
         log.warning("remat_fx: the calls before graph %d in this step leave it less than its least plan needs "
-                    "(peak_budget %s, memory_budget %s left); it is lowered at its least estimated peak for now (at "
-                    "the plan the whole limit allows where that saves more than the whole memory_budget), and the "
-                    "step is planned again as a whole once it has run", graph.index,
-                    "-" if per_graph.peak_budget is None else "nothing" if per_graph.peak_budget <= 1
-                    else fmt_bytes(per_graph.peak_budget),
-                    per_graph.memory_budget)
+                    "(%s left); it is lowered at its least estimated peak for now (at the plan the whole limit "
+                    "allows where that saves more than the whole memory_budget), and the step is planned again as "
+                    "a whole once it has run", graph.index, ", ".join(left))
         # at its least peak, which goes least over the limit (planned against the whole limit, it was lowered
         # at the fastest plan that limit allows, and the first step went further over it)
         graph.gm = _copy_dynamo_graph(graph.pristine)  # as Dynamo made it: Inductor's passes rewrite what they lower
@@ -2495,9 +2495,10 @@ class StepReport:
         if self.held is not None:
             lines.insert(1, f"  {self.held}")
         if self.eager_loss is not None:
-            lines.insert(1, f"  not counted: the eager code that made the loss from call {self.eager_loss}'s output (an "
-                            f"eager head's logits and their gradient, the gradients of parameters no graph reads); "
-                            f"compile it with the same options to count it, or measure the step with remat.fit")
+            lines.insert(1, f"  not counted: the eager code that made the loss from call {self.eager_loss}'s outputs (a "
+                            f"cross-entropy's log-softmax and its gradient, an eager head's logits, the gradients of "
+                            f"parameters no graph reads); compile it with the same options to count it, or measure "
+                            f"the step with remat.fit")
         if self.sharding is not None:
             gathered = ", ".join(fmt_bytes(g) for g in self.sharding.gathered)
             lines.insert(1, f"  sharded parameters (FSDP2): gathered per call {gathered}"

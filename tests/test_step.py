@@ -2991,10 +2991,11 @@ def test_a_loss_eager_code_makes_is_said_not_to_be_in_the_step_estimate(loss):
     if loss == "eager":
         assert said[1:] == [[], []] and len(said[0]) == 1, said
         assert said[0][0].startswith("remat_fx: this step's loss is not an output of a graph compiled with "
-                                     "backend='remat': eager code made it from call 1's output (32.00 KiB). What that "
-                                     "code holds (an eager LM head's logits"), said[0][0]
+                                     "backend='remat': eager code made it from call 1's outputs. What that code holds "
+                                     "(a cross-entropy's log-softmax and its gradient, an eager LM head's logits"), \
+            said[0][0]
         assert "peak_budget 64.00 MiB. Compile that code with the same options" in said[0][0]
-        assert "\n  not counted: the eager code that made the loss from call 1's output" in report, report
+        assert "\n  not counted: the eager code that made the loss from call 1's outputs" in report, report
         assert _measure(step) > remat.step_report().peak.peak + 2 * 4 * 64 * 2000 * 4  # the logits, twice at least
     else:
         assert said == [[], [], []]
