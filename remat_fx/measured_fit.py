@@ -375,7 +375,8 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
                 f"bytes: the limit {fmt_bytes(limit)} less the margin {margin:g}): "
                 f"the least measured is {fmt_bytes(result.tried[least])} ({result.tried[least]:,} bytes), with every "
                 f"graph at memory_budget {_named(least, result.compiled)}. Raise the limit to at least "
-                f"{_at_least(result.tried[least], margin):,} bytes, or shrink the step (batch, sequence length).{beyond} "
+                f"{_at_least(result.tried[least], margin):,} bytes, or shrink the step (batch, sequence "
+                f"length).{beyond} "
                 f"The step's graphs are lowered back as they were before remat.fit's search (with the compile's "
                 f"options where fit compiled them from its cache).")
         best = grid[chosen]

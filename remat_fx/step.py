@@ -2483,10 +2483,12 @@ class StepReport:
                  f"{fmt_bytes(p.peak)} (at the {p.phase} of call {p.call}), saved for backward {fmt_bytes(self.saved_bytes)}"
                  + ("" if counted == self.saved_bytes else
                     f" ({fmt_bytes(counted)} with the inputs saved, as a byte memory_budget counts them)")
-                 + ("" if self.limit is None or self.fit_limit is not None else f"; peak_budget {fmt_bytes(self.limit)}")
-                 + ("" if self.fit_limit is None else f"; planned by remat.fit to a measured peak of "
-                    f"{fmt_bytes(self.fit_limit)}" + ("" if self.limit is None else
-                                                      f" (in place of the compile's peak_budget {fmt_bytes(self.limit)})"))
+                 + ("" if self.limit is None or self.fit_limit is not None else
+                    f"; peak_budget {fmt_bytes(self.limit)}")
+                 + ("" if self.fit_limit is None else
+                    f"; planned by remat.fit to a measured peak of {fmt_bytes(self.fit_limit)}"
+                    + ("" if self.limit is None else
+                       f" (in place of the compile's peak_budget {fmt_bytes(self.limit)})"))
                  + ("" if not self.gradients_there else
                     f"; the compiled graphs' parameter gradients, {fmt_bytes(self.gradients_there)}, counted from the "
                     f"step's start (found there before it: a gradient accumulation)"),
@@ -2495,10 +2497,10 @@ class StepReport:
         if self.held is not None:
             lines.insert(1, f"  {self.held}")
         if self.eager_loss is not None:
-            lines.insert(1, f"  not counted: the eager code that made the loss from call {self.eager_loss}'s outputs (a "
-                            f"cross-entropy's log-softmax and its gradient, an eager head's logits, the gradients of "
-                            f"parameters no graph reads); compile it with the same options to count it, or measure "
-                            f"the step with remat.fit")
+            lines.insert(1, f"  not counted: the eager code that made the loss from call {self.eager_loss}'s outputs "
+                            f"(a cross-entropy's log-softmax and its gradient, an eager head's logits, the gradients "
+                            f"of parameters no graph reads); compile it with the same options to count it, or "
+                            f"measure the step with remat.fit")
         if self.sharding is not None:
             gathered = ", ".join(fmt_bytes(g) for g in self.sharding.gathered)
             lines.insert(1, f"  sharded parameters (FSDP2): gathered per call {gathered}"
@@ -2531,7 +2533,8 @@ def step_report() -> StepReport:
     return StepReport([(g.index, p, c) for g, p, c in zip(calls, ran_plans(calls, ios), costs)],
                       step_peak(costs, released, later, sharding, gradients=kind) if calls else None, limit, released,
                       later, sharding, held, grads_left(costs, sharding) if kind == "held" else 0,
-                      STEP.eager_loss if calls and STEP.eager_loss is not None and STEP.eager_loss < len(calls) else None,
+                      STEP.eager_loss if calls and STEP.eager_loss is not None and STEP.eager_loss < len(calls)
+                      else None,
                       calls[0].fit_limit if calls else None)
 
 
