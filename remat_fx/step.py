@@ -1243,7 +1243,8 @@ class _Step:
             return  # (remat.fit measures the whole step, eager code included)
         self.eager_loss_said.add(sig)
         warnings.warn(f"remat_fx: this step's loss is not an output of a graph compiled with backend='remat': eager "
-                      f"code made it from call {self.eager_loss}'s outputs. What that code holds (a cross-entropy's "
+                      f"code made it from call {self.eager_loss}'s outputs. What that code holds (such as a "
+                      f"cross-entropy's "
                       f"log-softmax and its gradient, an eager LM head's logits, the gradients of parameters no graph "
                       f"reads) is not in the step's estimate, so the measured peak can go over its "
                       f"{_step_limits(limited[0].options, bytes_only=True)}. Compile that code with the same options "
@@ -2498,9 +2499,9 @@ class StepReport:
             lines.insert(1, f"  {self.held}")
         if self.eager_loss is not None:
             lines.insert(1, f"  not counted: the eager code that made the loss from call {self.eager_loss}'s outputs "
-                            f"(a cross-entropy's log-softmax and its gradient, an eager head's logits, the gradients "
-                            f"of parameters no graph reads); compile it with the same options to count it, or "
-                            f"measure the step with remat.fit")
+                            f"(such as a cross-entropy's log-softmax and its gradient, an eager head's logits, the "
+                            f"gradients of parameters no graph reads); compile it with the same options to count it, "
+                            f"or measure the step with remat.fit")
         if self.sharding is not None:
             gathered = ", ".join(fmt_bytes(g) for g in self.sharding.gathered)
             lines.insert(1, f"  sharded parameters (FSDP2): gathered per call {gathered}"

@@ -2998,7 +2998,8 @@ def test_a_loss_eager_code_makes_is_said_not_to_be_in_the_step_estimate(loss):
         assert said[1:] == [[], []] and len(said[0]) == 1, said
         assert said[0][0].startswith("remat_fx: this step's loss is not an output of a graph compiled with "
                                      "backend='remat': eager code made it from call 1's outputs. What that code holds "
-                                     "(a cross-entropy's log-softmax and its gradient, an eager LM head's logits"), \
+                                     "(such as a cross-entropy's log-softmax and its gradient, an eager LM head's "
+                                     "logits"), \
             said[0][0]
         assert "peak_budget 64.00 MiB. Compile that code with the same options" in said[0][0]
         assert "\n  not counted: the eager code that made the loss from call 1's outputs" in report, report

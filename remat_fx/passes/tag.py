@@ -226,8 +226,8 @@ def _save_masks_of_random_ops(joint: JointGraph, tags: Dict[fx.Node, Tag]) -> No
     """A random op is saved so that backward sees the forward's draw (tag_node); where what the
     forward makes of the draw is smaller than the draw itself, that is kept instead: dropout
     decomposes to ``rand_like(x) > p``, and the float32 draw was saved for the bool mask that
-    backward reads, 4x its bytes (a review: 116,736 bytes against the eager tape's 49,152 on 4 layers
-    with dropout; PyTorch's own min-cut keeps the mask). The draw stays banned from recompute: it is
+    backward reads, 4x its bytes (a review, 8 layers with dropout: 116,736 bytes saved, 67,584 now;
+    PyTorch's own min-cut keeps the mask). The draw stays banned from recompute: it is
     saved still where backward reads it itself, or where a user's glob recomputes the mask."""
     from remat_fx.passes.peak import storage_bytes
 
