@@ -1192,14 +1192,20 @@ class _Step:
                 # read), which the steps after do not have (measured, GPT-2: 31.25 MiB of logits)
                 gc.collect()
             position = {id(io): n for n, (_, _, io) in enumerate(live)}
+            scalar = None  # whether a call returned a scalar needing a gradient (the loss); None: no full record
             for _, _, io in live:  # consumers as positions among the step's calls
                 if isinstance(io, _Light):
                     continue
                 io.alive = io.live()
                 io.objects = [False] * len(io.sizes)
+                scalar = scalar or False
                 for ref, s in zip(io.outputs, io.storage_of):
-                    if s is not None and ref() is not None:
+                    t = ref()
+                    if t is None:
+                        continue
+                    if s is not None:
                         io.objects[s] = True
+                    scalar = scalar or (t.requires_grad and t.numel() == 1 and t.is_floating_point())
                 io.consumers = [[(position[id(later)], m) for later, m in uses if id(later) in position]
                                 for uses in io.consumers]
             self.backward_began, self.last, self.last_io = True, [c[0] for c in live], [c[2] for c in live]
@@ -1212,27 +1218,20 @@ class _Step:
                 g._gradients_counted()
             self.positions, self.lowest, self.begun = position, None, set()
             self.last_versions = tuple(g.version for g in self.last)
-            self._note_eager_loss()
+            if scalar is not None:  # (a settled step's light record: as its settling step found)
+                self._note_eager_loss(scalar)
             for g in {id(g): g for g in self.last}.values():
                 g.steps += 1
                 g.stepped = True
 
-    def _note_eager_loss(self) -> None:
+    def _note_eager_loss(self, scalar: bool) -> None:
         """Whether the step's loss is an output of one of its calls (a graph returning a scalar that
         needs a gradient), or eager code made it from their outputs: an eager LM head and loss after
         blocks compiled one by one, or ``F.cross_entropy`` on a compiled model's logits. What that code
         holds (logits, their log-softmax and gradient; the gradients of parameters no graph reads) is
         not in the step's estimate: a review measured 103.16 MiB against an estimate of 35.59 under a
-        peak_budget of 90 MiB, every step, silently. Said once per step's shape under a byte limit."""
-        ios = [io for io in self.last_io if not isinstance(io, _Light)]
-        if not ios:
-            return  # a settled step's light record: as its settling step found
-        scalar = False
-        for io in ios:
-            for ref in io.outputs:
-                t = ref()
-                if t is not None and t.requires_grad and t.numel() == 1 and t.is_floating_point():
-                    scalar = True
+        peak_budget of 90 MiB, every step, silently. Said once per step's shape under a byte limit.
+        ``scalar``: whether a call of the step returned such a scalar (began)."""
         self.eager_loss = None if scalar else len(self.last) - 1
         if scalar or self.leaves is not None:
             return

@@ -173,16 +173,16 @@ def tag_joint(joint: JointGraph, options: BackendOptions) -> Dict[fx.Node, Tag]:
         if region_globs(custom) is not None:
             raw = tuple(map(tuple, custom[META_REGION_GLOBS]))
             regions.setdefault((custom.get(META_REGION), raw), []).append(node)
-    selected = {}
+    selected, decided = {}, set()
     for (region, raw), inside in regions.items():
         chosen, unmatched = select(joint, _globs_of(raw), inside)
         by_region.update(chosen)
         selected[(region, raw)] = unmatched
+        missed = {u[:2] for u in unmatched}
+        decided |= {(kind, p) for kind, patterns in zip(("SAVE", "OFFLOAD", "RECOMPUTE"), raw) for p in patterns
+                    if (kind, p) not in missed}
     # a glob given to every layer's region that selects in some of them ("L[0246].fc1": the even
     # layers) is not said once for each region it finds nothing in (a review: 4 warnings a graph)
-    decided = {(kind, pattern) for (_, raw), unmatched in selected.items()
-               for kind, patterns in zip(("SAVE", "OFFLOAD", "RECOMPUTE"), raw) for pattern in patterns
-               if (kind, pattern) not in {(k, p) for k, p, _ in unmatched}}
     for (region, raw), unmatched in selected.items():
         _warn_unmatched(joint, regions[(region, raw)], [u for u in unmatched if u[:2] not in decided],
                         f"region '{region}'", options.warned)
@@ -231,8 +231,7 @@ def _save_masks_of_random_ops(joint: JointGraph, tags: Dict[fx.Node, Tag]) -> No
     saved still where backward reads it itself, or where a user's glob recomputes the mask."""
     from remat_fx.passes.peak import storage_bytes
 
-    for node in [n for n, t in tags.items() if t.policy is TorchPolicy.MUST_SAVE and t.reason.startswith("random op")
-                 and not is_multi_output(n)]:
+    for node in [n for n in tags if is_random(n) and not is_multi_output(n)]:  # (each MUST_SAVE: tag_node)
         users = list(node.users)
         if not users or any(u not in joint.forward or u.op != "call_function" or is_random(u) or is_multi_output(u)
                             or _is_view(u) or (u in tags and tags[u].policy is not TorchPolicy.PREFER_RECOMPUTE)
