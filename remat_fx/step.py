@@ -1732,6 +1732,11 @@ def _signature(calls: Sequence[CompiledGraph]) -> tuple:
     return tuple(g.index for g in calls)
 
 
+def calls_of(calls: int, graphs: int) -> str:
+    """'3 calls of 2 compiled graphs', '1 call of 1 compiled graph': a step's size as messages say it."""
+    return f"{calls} call{'' if calls == 1 else 's'} of {graphs} compiled graph{'' if graphs == 1 else 's'}"
+
+
 # -- a step's own plan in the plan cache (remat_fx/plan_cache.py step_record) ----------------------
 # the notes hold_step writes on a plan it takes, which its graph's own record (written when it was
 # lowered) may lack: set again on the plan a later process compiles from the step's record
@@ -1993,6 +1998,7 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
         fits = limit is None or step_estimate(calls) <= limit
         if fits and (saved_limit is None or sum(g.plan.total_bytes for g in calls) <= saved_limit):
             STEP.planned[_signature(calls)] = recorded.fraction
+            recorded.calls = _signature(calls)
             STEP.step_plan = recorded
             log.info("remat_fx: step planned as a whole as its record in the plan cache says: shared memory_budget "
                      "%s, estimated peak %s, saved %s", _shared(recorded.fraction), fmt_bytes(recorded.estimate),
@@ -2005,20 +2011,20 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
     exceeded = (limit is not None and estimated > limit) or (saved_limit is not None and saved > saved_limit)
     if exceeded and found:
         # said: its plans were made for steps that make the gradients (its first, or every step before)
-        log.warning("remat_fx: the graphs of this step (%d calls of %d compiled graphs) find their parameters' "
+        log.warning("remat_fx: the graphs of this step (%s) find their parameters' "
                     "gradients there when they are called (a gradient accumulation's later micro-batches, or "
                     "zero_grad(set_to_none=False)); its peak_budget %s counts them (%s) as the step's, and with them "
                     "its estimated peak is %s: it is planned again counting them",
-                    len(calls), len(set(calls)), fmt_bytes(limit), fmt_bytes(gradients_held(calls)),
+                    calls_of(len(calls), len(set(calls))), fmt_bytes(limit), fmt_bytes(gradients_held(calls)),
                     fmt_bytes(estimated))
     elif exceeded:
         # said: its graphs were each planned at their first call, before the step was known (a graph
         # called again, graphs compiled before later ones), and the step went over (it was silent
         # where no graph had been planned over what the calls before it left)
-        log.warning("remat_fx: the step just run (%d calls of %d compiled graphs) went over its %s (estimated step "
+        log.warning("remat_fx: the step just run (%s) went over its %s (estimated step "
                     "peak %s, saved for backward %s): its graphs were planned one by one as they were first called, "
                     "before the step was known; it is planned as a whole now, and the limit holds from the next step",
-                    len(calls), len(set(calls)),
+                    calls_of(len(calls), len(set(calls))),
                     " and ".join(w for w in (limit is not None and estimated > limit
                                              and f"peak_budget {fmt_bytes(limit)}",
                                              saved_limit is not None and saved > saved_limit
@@ -2137,6 +2143,7 @@ class StepPlan:
     tried: Dict[Optional[float], Tuple[int, int]] = field(default_factory=dict)  # fraction -> (peak, saved)
     seconds: float = 0.0
     from_cache: bool = False  # read from the plan cache's step record, not searched
+    calls: tuple = ()  # the step's signature (graph index per call) it was planned for; not in the record
 
     def record(self) -> dict:
         """As the plan cache's step record keeps it (JSON: the fractions tried as a list)."""
@@ -2227,7 +2234,7 @@ def plan_step(calls: List[CompiledGraph], limit: Optional[int] = None, fraction:
         # was said to be the peak that no plan met, naming a peak far under the peak_budget)
         raise BudgetInfeasible(
             f"remat_fx: memory_budget {fmt_bytes(saved_limit)} ({saved_limit:,} bytes) for the whole step "
-            f"({len(calls)} calls of {len(set(calls))} compiled graphs) is below its feasible minimum: every plan "
+            f"({calls_of(len(calls), len(set(calls)))}) is below its feasible minimum: every plan "
             f"found saves at least {fmt_bytes(curve[least][1])} ({curve[least][1]:,} bytes), with every graph at "
             f"memory_budget {_shared(least)}. Raise the budget to at least "
             f"{curve[least][1]:,} bytes, or shrink the step (batch, sequence length).")
@@ -2236,7 +2243,7 @@ def plan_step(calls: List[CompiledGraph], limit: Optional[int] = None, fraction:
         best = min(within, key=lambda f: curve[f])
         among = "" if saved_limit is None else f" that saves at most {fmt_bytes(saved_limit)}"
         raise PeakInfeasible(
-            f"remat_fx: {what} for the whole step ({len(calls)} calls of {len(set(calls))} compiled graphs) is "
+            f"remat_fx: {what} for the whole step ({calls_of(len(calls), len(set(calls)))}) is "
             f"below every plan found{among}: the lowest estimated step peak is {fmt_bytes(curve[best][0])} "
             f"({curve[best][0]:,} bytes), saving {fmt_bytes(curve[best][1])}, with every graph at memory_budget "
             f"{_shared(best)}"
@@ -2249,7 +2256,8 @@ def plan_step(calls: List[CompiledGraph], limit: Optional[int] = None, fraction:
     for g in dict.fromkeys(calls):
         g.relower(shared_options(g.options, chosen))
         g.over = False
-    result = StepPlan(chosen, curve[chosen][0], curve[chosen][1], limit, curve, time.perf_counter() - t0)
+    result = StepPlan(chosen, curve[chosen][0], curve[chosen][1], limit, curve, time.perf_counter() - t0,
+                      calls=_signature(calls))
     STEP.planned[_signature(calls)] = chosen
     STEP.step_plan = result
     log.info("remat_fx: step planned as a whole (%s): shared memory_budget %s, estimated peak %s, saved %s (%.1f s)",
@@ -2462,6 +2470,10 @@ class StepReport:
     # the position of the call from whose outputs eager code made the loss (None: a graph returned it)
     eager_loss: Optional[int] = None
     fit_limit: Optional[int] = None  # the peak remat.fit planned the step's graphs under (it replaces ``limit``)
+    # a fraction peak_budget: (the fraction, None) where each graph resolved it on its own range; else
+    # (the fraction, (the bytes it resolved to, the step's least estimated peak, its peak without a
+    # budget)), the two last None where its one graph resolved it
+    fraction: Optional[Tuple[float, Optional[Tuple[int, Optional[int], Optional[int]]]]] = None
 
     @property
     def graphs(self) -> Dict[int, Plan]:
@@ -2479,12 +2491,13 @@ class StepReport:
             return "remat step: no training step has run a graph compiled with backend='remat'"
         p = self.peak
         counted = sum(plan.total_bytes for _, plan, _ in self.calls)  # what a byte memory_budget counts
-        lines = [f"remat step: {len(self.calls)} calls of {len(self.graphs)} compiled graphs; estimated step peak "
+        lines = [f"remat step: {calls_of(len(self.calls), len(self.graphs))}; estimated step peak "
                  f"{fmt_bytes(p.peak)} (at the {p.phase} of call {p.call}), saved for backward {fmt_bytes(self.saved_bytes)}"
                  + ("" if counted == self.saved_bytes else
                     f" ({fmt_bytes(counted)} with the inputs saved, as a byte memory_budget counts them)")
                  + ("" if self.limit is None or self.fit_limit is not None else
                     f"; peak_budget {fmt_bytes(self.limit)}")
+                 + ("" if self.fraction is None or self.fit_limit is not None else _fraction_said(*self.fraction))
                  + ("" if self.fit_limit is None else
                     f"; planned by remat.fit to a measured peak of {fmt_bytes(self.fit_limit)}"
                     + ("" if self.limit is None else
@@ -2519,6 +2532,33 @@ class StepReport:
         return "\n".join(lines)
 
 
+def _fraction_said(fraction: float, resolved: Optional[Tuple[int, Optional[int], Optional[int]]]) -> str:
+    """A fraction peak_budget in the step report's first line: the bytes the step resolved it to."""
+    if resolved is None:
+        return (f"; peak_budget {fraction:g} (a fraction: each graph resolved it on its own range, see "
+                f"remat.last_plan(); the step's own is resolved once a step of several graphs has run)")
+    limit, least, top = resolved
+    if least is None:
+        return f"; peak_budget {fraction:g}: {fmt_bytes(limit)}, as its graph resolved it (remat.last_plan())"
+    return (f"; peak_budget {fraction:g}: {fmt_bytes(limit)} ({fraction:g} of the way from the step's least "
+            f"estimated peak, {fmt_bytes(least)}, to its peak without a budget, {fmt_bytes(top)})")
+
+
+def _fraction_of(calls: Sequence[CompiledGraph]):
+    """StepReport.fraction of the step of ``calls``: its fraction peak_budget, and the bytes it was
+    resolved to: by the step's whole-step plan where that is this step's, else by its one graph."""
+    peak = calls[0].options.step_peak if calls else None
+    if peak is None or peak == "auto" or peak.nbytes is not None:
+        return None
+    plan = STEP.step_plan
+    if plan is not None and plan.calls == _signature(calls) and plan.limit is not None and plan.tried:
+        peaks = [p for p, _ in plan.tried.values()]
+        return peak.fraction, (plan.limit, min(peaks), peaks[0])
+    if len(set(calls)) == 1 and calls[0].plan is not None and calls[0].plan.peak_budget is not None:
+        return peak.fraction, (calls[0].plan.peak_budget, None, None)
+    return peak.fraction, None
+
+
 def step_report() -> StepReport:
     """Every compiled graph of the last training step (the step in progress once its backward has
     begun), with saved bytes and estimated peaks per call, and the estimated peak of the whole step."""
@@ -2535,7 +2575,7 @@ def step_report() -> StepReport:
                       later, sharding, held, grads_left(costs, sharding) if kind == "held" else 0,
                       STEP.eager_loss if calls and STEP.eager_loss is not None and STEP.eager_loss < len(calls)
                       else None,
-                      calls[0].fit_limit if calls else None)
+                      calls[0].fit_limit if calls else None, _fraction_of(calls))
 
 
 def step_estimate(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[CompiledGraph], Plan]] = None) -> int:

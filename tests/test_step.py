@@ -853,7 +853,7 @@ def test_a_step_over_its_byte_limit_at_its_first_run_says_so_and_holds_it_from_t
     assert remat.step_report().peak.peak > limit  # each call planned as if alone
     with caplog.at_level(logging.WARNING, logger="remat_fx"):
         step()  # the last step is looked at when the next one begins
-    assert re.search(r"the step just run \(2 calls of 1 compiled graphs\) went over its peak_budget .* \(estimated "
+    assert re.search(r"the step just run \(2 calls of 1 compiled graph\) went over its peak_budget .* \(estimated "
                      r".*\): its graphs were planned one by one as they were first called, before the step was known; "
                      r"it is planned as a whole now, and the limit holds from the next step", caplog.text), caplog.text
     step()
@@ -1592,13 +1592,39 @@ def test_whole_step_peak_fractions_are_monotone():
         STEP.reset()
         _, step = make({"lower": "eager", "peak_budget": fraction})
         peaks.append(_measure(step))
-        estimates.append(remat.step_report().peak.peak)
+        report = remat.step_report()
+        estimates.append(report.peak.peak)
+        # the report says the bytes the fraction became on this step's range (it said no limit at all)
+        said, (limit, least, top) = report.fraction
+        assert said == fraction and least < top and limit == least + int(fraction * (top - least)), report.fraction
+        assert report.peak.peak <= limit, (report.peak.peak, limit)
+        assert (f"; peak_budget {fraction:g}: {fmt_bytes(limit)} ({fraction:g} of the way from the step's least "
+                f"estimated peak, {fmt_bytes(least)}, to its peak without a budget, {fmt_bytes(top)})") in str(report)
     assert estimates == sorted(estimates, reverse=True), estimates
     # measured: non-increasing up to the profiler timeline's run-to-run spread: 1%, or one 64 KiB
     # block (after the whole suite a plan with the lower estimate once measured exactly 65,536 bytes
     # over the one above it, 1.05% of this small step)
     assert all(b <= max(a * 1.01, a + 65536) for a, b in zip(peaks, peaks[1:])), peaks
     assert peaks[-1] < 0.7 * peaks[0], peaks
+
+
+def test_a_one_graph_steps_fraction_peak_budget_is_reported_as_its_graph_resolved_it():
+    torch._dynamo.reset()
+    STEP.reset()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*(m for _ in range(4) for m in (torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                               torch.nn.Linear(256, 64))))
+    run = torch.compile(net, backend="remat", options={"lower": "eager", "peak_budget": 0.5})
+    x = torch.randn(512, 64)
+    for _ in range(2):
+        net.zero_grad(set_to_none=True)
+        run(x).square().mean().backward()
+    report = remat.step_report()
+    (plan,) = report.graphs.values()
+    assert plan.peak_budget is not None and report.fraction == (0.5, (plan.peak_budget, None, None)), report.fraction
+    assert (f"; peak_budget 0.5: {fmt_bytes(plan.peak_budget)}, as its graph resolved it (remat.last_plan())"
+            in str(report)), str(report)
+    assert str(report).startswith("remat step: 1 call of 1 compiled graph; "), str(report)
 
 
 def test_peak_budget_and_fit_limits_are_checked_when_given():
@@ -2335,7 +2361,7 @@ def test_a_limit_the_graph_alone_misses_by_the_outputs_its_step_frees_is_met_fro
         return out
 
     keeps_its_output()
-    with pytest.raises(PeakInfeasible, match=r"for the whole step \(1 calls of 1 compiled graphs\) is below every "
+    with pytest.raises(PeakInfeasible, match=r"for the whole step \(1 call of 1 compiled graph\) is below every "
                                              r"plan found"):
         keeps_its_output()
     torch._dynamo.reset()
