@@ -805,7 +805,7 @@ class CallIO:
 
     __slots__ = ("outputs", "storage_of", "expired", "sizes", "consumers", "alive", "alive_at_own", "nargs",
                  "params", "regathered", "world", "kept_into_next", "leaves", "external", "keys", "plan", "hooked",
-                 "objects")
+                 "objects", "scalar")
 
     def __init__(self, out, args, params: bool = False):
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -815,6 +815,9 @@ class CallIO:
         # (by the tensor: parameters that are views of one flat buffer each have a gradient of their own)
         self.leaves = tuple(id(a) for a in args if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad)
         self.outputs = [weakref.ref(t) for t in tensors]  # to know them as a later call's inputs
+        # it returned a floating scalar that needs a gradient: a loss (eager code may scale it, loss / n
+        # in an accumulation, or a GradScaler's loss * scale, and drop the call's own; its_loss in began)
+        self.scalar = any(t.requires_grad and t.numel() == 1 and t.is_floating_point() for t in tensors)
         self.storage_of: List[Optional[int]] = []  # per output: index of its storage (None: an input's)
         self.expired: List[Callable[[], bool]] = []  # per storage: whether it is gone
         self.sizes: List[int] = []
@@ -1198,14 +1201,10 @@ class _Step:
                     continue
                 io.alive = io.live()
                 io.objects = [False] * len(io.sizes)
-                scalar = scalar or False
+                scalar = scalar or io.scalar
                 for ref, s in zip(io.outputs, io.storage_of):
-                    t = ref()
-                    if t is None:
-                        continue
-                    if s is not None:
+                    if s is not None and ref() is not None:
                         io.objects[s] = True
-                    scalar = scalar or (t.requires_grad and t.numel() == 1 and t.is_floating_point())
                 io.consumers = [[(position[id(later)], m) for later, m in uses if id(later) in position]
                                 for uses in io.consumers]
             self.backward_began, self.last, self.last_io = True, [c[0] for c in live], [c[2] for c in live]
@@ -1231,7 +1230,8 @@ class _Step:
         holds (logits, their log-softmax and gradient; the gradients of parameters no graph reads) is
         not in the step's estimate: a review measured 103.16 MiB against an estimate of 35.59 under a
         peak_budget of 90 MiB, every step, silently. Said once per step's shape under a byte limit.
-        ``scalar``: whether a call of the step returned such a scalar (began)."""
+        ``scalar``: whether a call of the step returned such a scalar (CallIO.scalar, at its forward:
+        eager code may have scaled it and dropped it, loss / n in an accumulation)."""
         self.eager_loss = None if scalar else len(self.last) - 1
         if scalar or self.leaves is not None:
             return
