@@ -2728,6 +2728,46 @@ def test_the_step_estimate_counts_an_input_eager_code_makes_up_to_its_last_use_u
     assert abs(report.peak.peak - measured) <= 0.02 * measured, (report.peak.peak, measured)
 
 
+def test_a_call_given_an_alias_of_an_earlier_call_s_output_is_its_consumer():
+    """FSDP2's pre-forward hook gives each block its input through an autograd Function: an alias of
+    the last block's output, another tensor object. The calls were matched by the tensor itself only,
+    so a plan keeping that input was estimated to free the earlier output before the backward (a
+    review: a step planned to 9.42 MiB under FSDP2, 8 blocks, whose report then said 10.17 over a 10
+    MiB peak_budget, and measured more)."""
+    from remat_fx.step import released_bytes
+
+    class Alias(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    torch._dynamo.reset()
+    STEP.reset()
+    torch.manual_seed(0)
+    blocks = [_ns["Block"](32) for _ in range(3)]
+    for block in blocks:
+        block.compile(backend="remat", options={"lower": "eager"})
+    x = torch.randn(4, 64, 32, requires_grad=True)
+    for _ in range(2):
+        h = x
+        for block in blocks:
+            h = block(Alias.apply(h))
+        h.sum().backward()
+    calls, ios = STEP.last, STEP.io_of(STEP.last)
+    assert [[[j for j, _ in uses] for uses in io.consumers] for io in ios] == [[[1]], [[2]], [[]]], \
+        [io.consumers for io in ios]
+    # an output gone when the backward began (as under a plan that did not keep it) is freed before the
+    # backward unless a later call's plan keeps the input it was: these plans keep each block's input
+    for io in ios:
+        io.alive = [False] * len(io.sizes)
+    early, late = released_bytes(calls, ios)
+    assert early[:2] == [0, 0] and late[:2] == [io.sizes[0] for io in ios[:2]], (early, late)
+
+
 def test_held_gradients_count_from_the_step_s_start_at_every_point():
     """step_peak's "held": a step that finds the parameter gradients there (a gradient accumulation's
     later micro-batches), counted from its start: "there" plus the bytes "made" leaves, at every
@@ -2740,8 +2780,10 @@ def test_held_gradients_count_from_the_step_s_start_at_every_point():
     assert all(h >= m for h, m in zip(step_peak([c, c, c], gradients="held").at, step_peak([c, c, c]).at))
     sharded = Sharding(gathered=(8, 8, 8), world=2)
     assert grads_left([c, c, c], sharded) == 3 * 3  # each call's gathered gradients as their shard
+    # but found there whole: FSDP2 keeps them on the unsharded parameters the graphs are given only
+    # without gradient sync (a review: counted as shards, 13.64 MiB measured against 10.17 estimated)
     assert step_peak([c, c, c], sharding=sharded, gradients="held").at == tuple(
-        a + 9 for a in step_peak([c, c, c], sharding=sharded, gradients="there").at)
+        a + 18 for a in step_peak([c, c, c], sharding=sharded, gradients="there").at)
 
 
 @pytest.mark.parametrize("graphs,limit", [(1, 4 << 20), (2, int(4.8 * 2**20))])
