@@ -200,6 +200,14 @@ def _limit(peak) -> int:
         raise ValueError(f"{_PEAK_HINT}, got the float {peak!r}: fit measures the step's peak in bytes (a fraction "
                          f"is a memory_budget's or a peak_budget's, options of the compile); for a size write an int "
                          f"or a string with a unit, e.g. '{peak:g}GiB'")
+    if isinstance(peak, str):
+        try:
+            number = float(peak)
+        except ValueError:
+            number = None
+        if number is not None and math.isfinite(number) and number > 0:  # (parse_budget's says a fraction is taken)
+            raise ValueError(f"{_PEAK_HINT}, got the string {peak!r}, a number without a unit: give the unit, e.g. "
+                             f"'{peak.strip()}GiB', or pass an int number of bytes")
     try:
         budget = parse_budget(peak, "remat.fit's peak")
     except ValueError as e:

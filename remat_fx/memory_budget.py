@@ -77,6 +77,17 @@ def parse_budget(value, what: str = "memory_budget",
                 if not math.isfinite(number * _UNITS[unit]):
                     raise ValueError(f"{hint}; got {value!r} (too large to be a number of bytes)")
                 return Budget(nbytes=int(round(number * _UNITS[unit])))
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is not None and 0 <= number <= 1:
+            # a number without a unit, in a string (read from a config file or the command line)
+            raise ValueError(f"{hint}; got the string {value!r}: for the fraction {number:g}, pass the float "
+                             f"{float(number)!r}, not a string")
+        if number is not None and 1 < number < 2**63 and number == int(number):
+            raise ValueError(f"{hint}; got the string {value!r}, a number without a unit: pass the int "
+                             f"{int(number)} for bytes, or give the unit, e.g. '{int(number)}B'")
         raise ValueError(f"{hint}; got {value!r} (units: {', '.join(sorted(_UNITS, key=_UNITS.get))})")
     raise ValueError(f"{hint}; got {type(value).__name__} {value!r}")
 

@@ -22,6 +22,11 @@ def _compile(fn, **options):
     ({"memory_budget": 1.5}, r"option 'memory_budget' takes a fraction in \[0, 1\].*got 1.5 \(a float must be a "
                              r"fraction; for a size write an int number of bytes or a string with a unit, e.g. '1.5GiB'\)"),
     ({"memory_budget": "12 parsecs"}, r"option 'memory_budget' takes .* got '12 parsecs' \(units: b, kb"),
+    # a number in a string (a config file's): what to pass instead (a review: only the units were listed)
+    ({"memory_budget": "0.5"}, r"option 'memory_budget' takes .* got the string '0.5': for the fraction 0.5, pass "
+                               r"the float 0.5, not a string\n"),
+    ({"peak_budget": "3000000"}, r"got the string '3000000', a number without a unit: pass the int 3000000 for "
+                                 r"bytes, or give the unit, e.g. '3000000B'; or 'auto'"),
     ({"peak_budget": -1}, r"option 'peak_budget' takes a fraction in \[0, 1\] \(0 = the least peak found, 1 = the "
                           r"peak without a budget\), .*got a negative size -1; or 'auto'"),
     ({"cost_model": "vibes"}, r"option 'cost_model' must be one of \['auto', 'roofline', 'flops', 'profile'\]"),

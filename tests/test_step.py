@@ -1638,6 +1638,8 @@ def test_peak_budget_and_fit_limits_are_checked_when_given():
                        (np.float32(1.5), r"got the float 1.5: fit measures"),  # numpy's: the same (was "got float32")
                        ("50%", r"got '50%': fit measures the step's peak in bytes"),
                        ("5 parsecs", r"got '5 parsecs' \(units: "), ([1], r"got list \[1\]"),
+                       ("0.5", r"got the string '0.5', a number without a unit: give the unit, e.g. '0.5GiB', or "
+                               r"pass an int number of bytes"),
                        (1, r"got 1: no step peaks at 1 byte\(s\) or under")):
         with pytest.raises(ValueError, match=r"remat.fit's peak must be a size with a unit .*, an int number of "
                                              r"bytes, or 'auto' .*" + said):
