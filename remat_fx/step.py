@@ -204,7 +204,7 @@ class Sharding:
 
 
 # where a step finds the parameter gradients (step_peak's ``gradients``)
-GRADIENTS = ("made", "there", "there whole", "held")
+GRADIENTS = ("made", "there", "there whole", "held", "held shards")
 
 
 def kinds_of_step(sharding: Optional[Sharding]) -> List[Tuple[Optional[Sharding], str]]:
@@ -263,7 +263,8 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
     once the step has run; under FSDP2 whole, as the graphs find them: :func:`grads_found`) counted from
     the step's start, at every point: a whole-step byte limit's view of a step that finds them there
     (:func:`accumulating`), which holds it from the memory before them (at or above ``"made"`` at every
-    point)."""
+    point). ``"held shards"``: as ``"held"``, the gradients counted as FSDP2's shards (found on the
+    sharded parameters: gradient sync at every micro-batch)."""
     if gradients not in GRADIENTS:
         raise ValueError(f"gradients must be one of {GRADIENTS}, got {gradients!r}")
     n = len(costs)
@@ -274,7 +275,7 @@ def step_peak(costs: Sequence[CallCost], released: Optional[Sequence[int]] = Non
     scattered = [min(c.grads, g) for c, g in zip(costs, gathered)]  # gradients reduce-scattered after the backward
     at: List[int] = []
     best = (0, 0, "forward")
-    base = grads_found(costs, sharding) if gradients == "held" else 0
+    base = grads_found(costs, sharding, whole=gradients == "held") if gradients.startswith("held") else 0
     for i, c in enumerate(costs):
         output = gathered[i] if sharding is not None and sharding.world > 1 else 0  # the all-gather's output
         at.append(base + c.forward + gathered[i] + output)
@@ -309,15 +310,18 @@ def grads_left(costs: Sequence[CallCost], sharding: Optional[Sharding] = None) -
     return sum(c.grads - min(c.grads, g) + min(c.grads, g) // world for c, g in zip(costs, gathered))
 
 
-def grads_found(costs: Sequence[CallCost], sharding: Optional[Sharding] = None) -> int:
+def grads_found(costs: Sequence[CallCost], sharding: Optional[Sharding] = None, whole: bool = True) -> int:
     """Bytes of the parameter gradients a step of ``costs`` that finds them there holds from its start
     (step_peak's ``"held"``): under FSDP2 whole, not as their shards. The graphs find them on the
     unsharded parameters they are given, where FSDP2 keeps them whole without gradient sync
     (``set_requires_gradient_sync(False)``, an accumulation's micro-batches but the last); the shards it
     reduce-scatters into are on the sharded parameters, which no graph is given. (Counted as shards, a
     review measured 13.64 MiB against an estimate of 10.17 under a 10 MiB peak_budget: 8 blocks'
-    gradients of 774.5 KiB each, whole, on 2 ranks.)"""
-    return grads_left(costs, None if sharding is None else dataclasses.replace(sharding, scatter=False))
+    gradients of 774.5 KiB each, whole, on 2 ranks.) Not ``whole``: found as the shards on the sharded
+    parameters (gradient sync at every micro-batch: remat_fx/fsdp2.py)."""
+    if sharding is not None and whole:
+        sharding = dataclasses.replace(sharding, scatter=False)
+    return grads_left(costs, sharding)
 
 
 def _grad_bytes(joint) -> int:
@@ -459,6 +463,9 @@ class CompiledGraph:
         # which counts them as the step's from then on (_gradients_there, accumulating); found since its
         # steps were last planned
         self.accumulates = False
+        # found there as FSDP2's shards only (on the sharded parameters: gradient sync at every micro-batch),
+        # not whole on the unsharded ones it is given (remat_fx/fsdp2.py; grads_found)
+        self.shards_found = False
         self.gradients_found = False
         self.gradients_looked = -1  # the step where a call of it last found its parameters' gradients absent
         self.stepped = False  # a step that called it has begun its backward
@@ -698,8 +705,17 @@ class CompiledGraph:
         it has been found so in a step that reached its backward (_gradients_counted), and under
         ``peak_budget="auto"`` at each step's first call (_Step.enter: the device's reading lacks them);
         where absent, not again in that step (5 us a call over 16 parameters)."""
-        return any(isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad and a.grad is not None
-                   for a in args)
+        if any(isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad and a.grad is not None for a in args):
+            self.shards_found = False
+            return True
+        if self.param_ids and _distributed():
+            # under FSDP2 with gradient sync they are shards on the sharded parameters, which it is not given
+            from remat_fx.fsdp2 import sharded_gradients_there
+
+            if sharded_gradients_there(args):
+                self.shards_found = True
+                return True
+        return False
 
     def _gradients_counted(self) -> None:
         """Its parameters' gradients were there when a call of it began, in a step whose backward has
@@ -2595,7 +2611,7 @@ def step_report() -> StepReport:
     kind = _gradients_kind(calls)
     return StepReport([(g.index, p, c) for g, p, c in zip(calls, ran_plans(calls, ios), costs)],
                       step_peak(costs, released, later, sharding, gradients=kind) if calls else None, limit, released,
-                      later, sharding, held, grads_found(costs, sharding) if kind == "held" else 0,
+                      later, sharding, held, grads_found(costs, sharding, kind == "held") if kind.startswith("held") else 0,
                       STEP.eager_loss if calls and STEP.eager_loss is not None and STEP.eager_loss < len(calls)
                       else None,
                       calls[0].fit_limit if calls else None, _fraction_of(calls))
@@ -2619,13 +2635,15 @@ def accumulating(calls: Sequence[CompiledGraph]) -> bool:
 
 
 def _gradients_kind(calls: Sequence[CompiledGraph]) -> str:
-    return "held" if accumulating(calls) else "made"
+    if not accumulating(calls):
+        return "made"
+    return "held shards" if all(g.shards_found for g in calls if g.accumulates) else "held"
 
 
 def gradients_held(calls: Sequence[CompiledGraph]) -> int:
     """Bytes of the parameter gradients :func:`accumulating` steps of ``calls`` find there at their start
     (each counted once; under FSDP2 whole: :func:`grads_found`)."""
-    return grads_found(step_costs(calls, STEP.io_of(calls)), _sharding(calls))
+    return grads_found(step_costs(calls, STEP.io_of(calls)), _sharding(calls), _gradients_kind(calls) != "held shards")
 
 
 def _released(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[CompiledGraph], Plan]] = None):

@@ -709,6 +709,61 @@ def test_fit_under_fsdp2_decides_on_every_rank_s_measurements_together():
         assert r["infeasible"] is not None and "no plan measured a step peak at or under" in r["infeasible"], r
 
 
+def _accumulation_worker(rank):
+    """A gradient accumulation of two micro-batches (each the rank's batch, loss / 2) under FSDP2, per
+    block compiled with a byte peak_budget, with gradient sync at every micro-batch (torchtitan's) and
+    without it on the first: what the step finds there, as the report counts it."""
+    from remat_fx.fsdp2 import sharded_gradients_there
+
+    x = batch(rank)
+    want = reference_grads(4)
+    found = {}
+    for sync in ("every micro-batch", "last micro-batch"):
+        torch._dynamo.reset()
+        remat_step.STEP.reset()
+        model = shard(Net(4), {"lower": "eager", "peak_budget": "64MiB"})
+        for _ in range(3):  # windows
+            model.zero_grad(set_to_none=True)
+            for micro in range(2):
+                model.set_requires_gradient_sync(sync == "every micro-batch" or micro == 1)
+                (loss_of(model(x)) / 2).backward()
+        report = remat.step_report()
+        graphs = list(dict.fromkeys(remat_step.STEP.last))
+        params = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in model.blocks]  # global
+        found[sync] = dict(there=report.gradients_there, whole=sum(params), err=grad_error(full_grads(model),
+                           want), shards=[g.shards_found for g in graphs], accumulates=[g.accumulates for g in graphs])
+    # the private reads of remat_fx/fsdp2.py, on an input through FSDP2's pre-forward hook
+    seen = []
+    hook = model.blocks[1].register_forward_pre_hook(lambda _, args: seen.append(sharded_gradients_there(args)))
+    model.zero_grad(set_to_none=True)
+    loss_of(model(x)).backward()
+    loss_of(model(x)).backward()
+    hook.remove()
+    found["hook"] = seen
+    return found
+
+
+@pytest.mark.slow
+def test_a_gradient_accumulation_under_fsdp2_counts_the_gradients_as_it_keeps_them():
+    """A review: under FSDP2 a byte peak_budget counted an accumulation's gradients as their shards,
+    though without gradient sync FSDP2 keeps them whole (13.64 MiB measured against an estimate of
+    10.17 under 10 MiB); with sync at every micro-batch the shards it keeps on the sharded parameters
+    were not seen at all (no graph is given those). Now: whole without sync, the shards with it (read
+    from FSDP2's internals, remat_fx/fsdp2.py, checked here on torch 2.13 and 2.14); gradients as one
+    process's either way."""
+    for rank, found in enumerate(run_ranks(_accumulation_worker, timeout=240)):
+        every, last = found["every micro-batch"], found["last micro-batch"]
+        # two graphs: the first block's (its input needs no gradient: it comes through no FSDP2 hook, and
+        # its shards are not seen there) and the other blocks'; the report counts every call's
+        assert every["accumulates"] == [False, True] and every["shards"] == [False, True], (rank, every)
+        assert every["there"] == every["whole"] // WORLD, (rank, every)  # the rank's shards
+        assert last["accumulates"] == [True, True] and last["shards"] == [False, False], (rank, last)
+        assert last["there"] == last["whole"], (rank, last)  # whole, on the unsharded parameters
+        assert every["err"] < 1e-5 and last["err"] < 1e-5, (rank, every["err"], last["err"])
+        # the second block's input came through FSDP2's hook: no gradient there, then the shards
+        assert found["hook"] == [False, True], (rank, found["hook"])
+
+
 # -- FSDP2 with a bf16 mixed-precision policy ----------------------------------------------------
 
 def _mixed_precision_worker(rank):
