@@ -1167,7 +1167,7 @@ class _Step:
             found = self.made.get(id(a))
             if found is not None and found[2]() is not a:
                 found = None  # another tensor's id, that one gone
-            if found is None and isinstance(a, torch.Tensor) and self.made_at:
+            if found is None and isinstance(a, torch.Tensor) and a.grad_fn is not None and self.made_at:
                 # or on the same storage, alive: an alias made between the calls, as FSDP2's pre-forward hook
                 # gives each block its input (a plan keeping it keeps the earlier output's storage: taken as
                 # freed before the backward, a review's FSDP2 step measured 0.75 MiB over its estimate)
