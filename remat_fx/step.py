@@ -844,7 +844,7 @@ class CallIO:
         self.leaves = tuple(id(a) for a in args if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad)
         self.outputs = [weakref.ref(t) for t in tensors]  # to know them as a later call's inputs
         # it returned a floating scalar that needs a gradient: a loss (eager code may scale it, loss / n
-        # in an accumulation, or a GradScaler's loss * scale, and drop the call's own; its_loss in began)
+        # in an accumulation, or a GradScaler's loss * scale, and drop the call's own: _Step.began)
         self.scalar = any(t.requires_grad and t.numel() == 1 and t.is_floating_point() for t in tensors)
         self.storage_of: List[Optional[int]] = []  # per output: index of its storage (None: an input's)
         self.expired: List[Callable[[], bool]] = []  # per storage: whether it is gone
