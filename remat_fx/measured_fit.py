@@ -66,7 +66,9 @@ class FitResult:
 
     def __str__(self) -> str:
         name = f"memory_budget {_named(self.fraction, self.compiled)}"
-        text = (f"remat.fit: {name} for all {self.graphs} graphs ({self.calls} calls) of the step: measured peak "
+        graphs = f"all {self.graphs} graphs" if self.graphs != 1 else "its 1 graph"
+        calls = f"{self.calls} call{'' if self.calls == 1 else 's'}"
+        text = (f"remat.fit: {name} for {graphs} ({calls}) of the step: measured peak "
                 f"{fmt_bytes(self.measured)} <= limit {fmt_bytes(self.limit)}"
                 + (" (from the plan cache)" if self.cached else f" ({len(self.tried)} plans measured)")
                 + f" in {self.seconds:.1f} s")

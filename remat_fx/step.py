@@ -2061,14 +2061,18 @@ def _plan_if_needed(calls: List[CompiledGraph], opts: BackendOptions, saved_limi
         # called again, graphs compiled before later ones), and the step went over (it was silent
         # where no graph had been planned over what the calls before it left)
         log.warning("remat_fx: the step just run (%s) went over its %s (estimated step "
-                    "peak %s, saved for backward %s): its graphs were planned one by one as they were first called, "
-                    "before the step was known; it is planned as a whole now, and the limit holds from the next step",
+                    "peak %s, saved for backward %s): %s; it is planned as a whole now, "
+                    "for the limit to hold from the next step",
                     calls_of(len(calls), len(set(calls))),
                     " and ".join(w for w in (limit is not None and estimated > limit
                                              and f"peak_budget {fmt_bytes(limit)}",
                                              saved_limit is not None and saved > saved_limit
                                              and f"memory_budget {fmt_bytes(saved_limit)}") if w),
-                    fmt_bytes(estimated), fmt_bytes(saved))
+                    fmt_bytes(estimated), fmt_bytes(saved),
+                    "its graphs were planned one by one as they were first called, before the step was known"
+                    if len(calls) > 1 else
+                    "its graph was planned when it was compiled, before the step was known: without what the step "
+                    "holds besides it (outputs your code keeps through the backward, inputs made in the step)")
     switched = [g for g in dict.fromkeys(calls) if g.provisional and g.first is not None]
     if switched and not exceeded and not any(g.over for g in calls if g not in switched):
         # a graph lowered at its least peak in the middle of its first step, as far as the step was known
@@ -2209,6 +2213,23 @@ def shared_options(options: BackendOptions, fraction: Optional[float]) -> Backen
                                least_peak=fraction == 0.0)
 
 
+def _kept_said(calls: Sequence[CompiledGraph]) -> str:
+    """Where the caller held the calls' outputs through the step's backward (their tensors alive when it
+    began: CallIO.objects), beyond 1 MiB: what the step's estimate counts for them, and how to free them (a
+    review: a Hugging Face loop's `out` kept 7.91 MiB of outputs, and the error said only to raise the
+    limit, which `loss = model(...).loss` met by 1.6 MiB)."""
+    ios = STEP.io_of(calls)
+    if ios is None or len(ios) != len(calls):
+        return ""
+    kept = sum(n for io in ios if io is not None and getattr(io, "objects", None)
+               for n, live in zip(io.sizes, io.objects) if live)
+    if kept <= 2**20:
+        return ""
+    return (f"; or let go of the outputs the step's calls returned, {fmt_bytes(kept)} that your code held through "
+            f"the backward (such as a Hugging Face ModelOutput kept by `out = model(...); out.loss.backward()`: "
+            f"take `loss = model(...).loss`), which every plan counts")
+
+
 def candidates(options: BackendOptions) -> List[Optional[float]]:
     """The shared budgets a step may be planned with: ``GRID``, under the user's memory budget
     fraction if there is one (its 0 included: the least peak)."""
@@ -2232,8 +2253,8 @@ def estimate_curve(calls: Sequence[CompiledGraph], fractions: Optional[Sequence]
             plan = plans[g] = g.estimate(shared_options(g.options, f))
             saved[g] = plan.total_bytes
         curve[f] = (step_estimate(calls, plans.__getitem__), sum(saved[g] for g in calls))
-        log.info("remat_fx: step of %d calls of %d graphs, shared memory_budget %s: estimated peak %s, saved %s "
-                 "(%.1f s)", len(calls), len(graphs), "-" if f is None else f"{f:g}", fmt_bytes(curve[f][0]),
+        log.info("remat_fx: step of %s, shared memory_budget %s: estimated peak %s, saved %s "
+                 "(%.1f s)", calls_of(len(calls), len(graphs)), "-" if f is None else f"{f:g}", fmt_bytes(curve[f][0]),
                  fmt_bytes(curve[f][1]), time.perf_counter() - t0)
         if stop is not None and stop(*curve[f]):
             break
@@ -2290,7 +2311,8 @@ def plan_step(calls: List[CompiledGraph], limit: Optional[int] = None, fraction:
                f"its graphs have found them there when called, as in a gradient accumulation's later "
                f"micro-batches or after zero_grad(set_to_none=False), and the limit counts them from then on, for "
                f"this compile)" if accumulating(calls) else "")
-            + ". Raise the limit, or shrink the step (batch, sequence length).")
+            + ". Raise the limit, or shrink the step (batch, sequence length)"
+            + _kept_said(calls) + ".")
     chosen = fitting[0]
     for g in dict.fromkeys(calls):
         g.relower(shared_options(g.options, chosen))

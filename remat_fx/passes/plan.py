@@ -222,8 +222,9 @@ class Plan:
         if self.rerun is not None and self.rerun.reruns:
             r = self.rerun
             lines.append(f"  rerun: {r.reruns} values recomputed a second time ({r.nodes} nodes, {r.flops:,} FLOPs, "
-                         f"est. {r.cost_s * 1e3:.3f} ms of "
-                         + ("any" if r.allowance_s is None else f"{r.allowance_s * 1e3:.3f} ms") + " allowed): "
+                         f"est. {r.cost_s * 1e3:.3f} ms"
+                         + (", no time limit" if r.allowance_s is None else f" of {r.allowance_s * 1e3:.3f} ms allowed")
+                         + "): "
                          f"estimated peak {fmt_bytes(r.peak_before)} -> {fmt_bytes(r.peak_after)}"
                          + ("" if r.shortened_from is None else
                             f"; the first {r.reruns} of the {r.shortened_from} found: the step peaks elsewhere"))
