@@ -2615,8 +2615,9 @@ def _fraction_of(calls: Sequence[CompiledGraph]):
     if plan is not None and plan.calls == _signature(calls) and plan.limit is not None and plan.tried:
         peaks = [p for p, _ in plan.tried.values()]
         return peak.fraction, (plan.limit, min(peaks), peaks[0])
-    if len(set(calls)) == 1 and calls[0].plan is not None and calls[0].plan.peak_budget is not None:
-        return peak.fraction, (calls[0].plan.peak_budget, None, None)
+    plan = calls[0].plan
+    if len(set(calls)) == 1 and plan is not None and plan.peak_budget is not None and plan.peak_fraction is not None:
+        return peak.fraction, (plan.peak_budget, *(plan.peak_span or (None, None)))
     return peak.fraction, None
 
 

@@ -1608,7 +1608,7 @@ def test_whole_step_peak_fractions_are_monotone():
     assert peaks[-1] < 0.7 * peaks[0], peaks
 
 
-def test_a_one_graph_steps_fraction_peak_budget_is_reported_as_its_graph_resolved_it():
+def test_a_one_graph_steps_fraction_peak_budget_is_reported_with_the_range_its_graph_resolved_it_in():
     torch._dynamo.reset()
     STEP.reset()
     torch.manual_seed(0)
@@ -1621,10 +1621,17 @@ def test_a_one_graph_steps_fraction_peak_budget_is_reported_as_its_graph_resolve
         run(x).square().mean().backward()
     report = remat.step_report()
     (plan,) = report.graphs.values()
-    assert plan.peak_budget is not None and report.fraction == (0.5, (plan.peak_budget, None, None)), report.fraction
-    assert (f"; peak_budget 0.5: {fmt_bytes(plan.peak_budget)}, as its graph resolved it (remat.last_plan())"
+    least, top = plan.peak_span
+    assert plan.peak_budget == least + int(0.5 * (top - least)) and least < top, (plan.peak_budget, plan.peak_span)
+    assert report.fraction == (0.5, (plan.peak_budget, least, top)), report.fraction
+    range_said = (f"0.5 of the way from the {{}}least estimated peak, {fmt_bytes(least)}, to {{}} peak without a "
+                  f"budget, {fmt_bytes(top)})")
+    assert (f"; peak_budget 0.5: {fmt_bytes(plan.peak_budget)} (" + range_said.format("step's ", "its")
             in str(report)), str(report)
     assert str(report).startswith("remat step: 1 call of 1 compiled graph; "), str(report)
+    # the plan says the fraction and its range too (it said only the bytes, a review)
+    assert (f", peak_budget 0.5: {fmt_bytes(plan.peak_budget)} (" + range_said.format("", "the") + " (") in str(plan), \
+        str(plan)
 
 
 def test_peak_budget_and_fit_limits_are_checked_when_given():

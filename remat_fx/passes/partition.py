@@ -267,6 +267,8 @@ def _partition(joint_gm, joint_inputs, options, num_fwd_outputs, static_lifetime
                 (at_minimum and options.rerun is False) else \
                 monotone_peak(cut, budgets, chosen, options.peak_slack, monotone_levels(options.monotone),
                               monotone_extends(options.monotone))
+        if options.peak_fraction is not None:  # (a replay from the plan cache has the bytes, not the range)
+            found[2].peak_fraction = options.peak_fraction
         found[2].peak_evaluations = len(cuts)  # the partitions the search made (1: the plan cache's replay)
         fw, bw, plan, tags = found
         if entry is not None and not plan.from_cache and id(found) in asked:

@@ -687,7 +687,9 @@ def fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Opt
     ``alike``, the targets that bracket the cap are solved again with repeated blocks alike
     (``_final_alike``)."""
     found, over = _fit_peak(cut, feasible, budgets, cap, fraction)
+    span = found[2].peak_span
     found = found if alike is None else _final_alike(cut, budgets, found, over, alike)
+    found[2].peak_span, found[2].peak_fraction = span, fraction
     return _as_asked(cut, budgets, found)
 
 
@@ -719,14 +721,16 @@ def _fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Op
     cap above that plan's, or None)."""
     least = _overall(budgets, Budget(fraction=0.0))  # the fewest saved bytes
     first = cut(budgets)
+    span = None
     if fraction is not None:
         high = first[2].peak.step
         low = min(high, cut(least)[2].peak.step)
         cap = low + int(fraction * (high - low))
+        span = (low, high)
     if first[2].peak.step <= cap:
-        return _mark(first, cap), None
+        return _mark(first, cap, span), None
     if fraction == 0.0:  # the least peak's own plan: a search for a faster one at that peak took 35 s
-        return _mark(cut(least), cap), None  # of planning on benchmarks/gpu.py's Llama, and found none
+        return _mark(cut(least), cap, span), None  # of planning on benchmarks/gpu.py's Llama, and found none
     # the feasible range; the least peak's plan (its reruns' search, the longest) only when needed
     report = feasible(least) if fraction is None else cut(least)[2].budget  # a fraction has cut it already
     lo, top = report.minimum, report.maximum
@@ -740,7 +744,7 @@ def _fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Op
 
     found, over = _toward_cap(toward, budgets, cap, lo, top, first, lambda: cut(least))
     if found is not None:
-        return _mark(found, cap), over
+        return _mark(found, cap, span), over
     probe = cut(least)
     tried = [(first[2].total_bytes, first)]
     above, found = top, None
@@ -772,7 +776,7 @@ def _fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Op
             good_target, good = mid, result
         else:
             above = mid
-    return _mark(good, cap), (above if above < top else None)
+    return _mark(good, cap, span), (above if above < top else None)
 
 
 FINAL_ALIKE = 0.05  # option blocks_alike "final": the recompute (fraction of the forward's time) it may add
@@ -874,8 +878,8 @@ def _overall(budgets, budget: Budget):
     return {**{k: v for k, v in budgets.items() if k is not None}, None: budget}
 
 
-def _mark(result, cap):
-    result[2].peak_budget = cap
+def _mark(result, cap, span=None):
+    result[2].peak_budget, result[2].peak_span = cap, span
     return result
 
 
