@@ -10,8 +10,9 @@ on 2 gloo ranks, 3.03 MiB of shards). FSDP2's pre-forward hook gives the block's
 gradient through its ``RegisterPostBackwardFunction``, whose context keeps the module's parameter
 group (``ctx.param_group``, the autograd node of the input), and the group its parameters
 (``fsdp_params``, each with its ``sharded_param``). These are private: read here only, checked on
-torch 2.13 and 2.14 (``tests/test_distributed.py::test_fsdp2_internals_remat_reads``); where they
-are not found (another torch, another engine) nothing is found.
+torch 2.13 and 2.14 (``tests/test_distributed.py::
+test_a_gradient_accumulation_under_fsdp2_counts_the_gradients_as_it_keeps_them``, in both of CI's
+torch versions); where they are not found (another torch, another engine) nothing is found.
 """
 from __future__ import annotations
 

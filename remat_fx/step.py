@@ -2634,7 +2634,8 @@ def step_report() -> StepReport:
     kind = _gradients_kind(calls)
     return StepReport([(g.index, p, c) for g, p, c in zip(calls, ran_plans(calls, ios), costs)],
                       step_peak(costs, released, later, sharding, gradients=kind) if calls else None, limit, released,
-                      later, sharding, held, grads_found(costs, sharding, kind == "held") if kind.startswith("held") else 0,
+                      later, sharding, held,
+                      grads_found(costs, sharding, kind == "held") if kind.startswith("held") else 0,
                       STEP.eager_loss if calls and STEP.eager_loss is not None and STEP.eager_loss < len(calls)
                       else None,
                       calls[0].fit_limit if calls else None, _fraction_of(calls))

@@ -855,7 +855,8 @@ def test_a_step_over_its_byte_limit_at_its_first_run_says_so_and_holds_it_from_t
         step()  # the last step is looked at when the next one begins
     assert re.search(r"the step just run \(2 calls of 1 compiled graph\) went over its peak_budget .* \(estimated "
                      r".*\): its graphs were planned one by one as they were first called, before the step was known; "
-                     r"it is planned as a whole now, for the limit to hold from the next step", caplog.text), caplog.text
+                     r"it is planned as a whole now, for the limit to hold from the next step", caplog.text), \
+        caplog.text
     step()
     assert remat.step_report().peak.peak <= limit
     assert _measure(step, steps=1) <= limit * 1.02
