@@ -1047,8 +1047,7 @@ class _Step:
         self.last_versions: tuple = ()  # the lowering of each of them that ran
         self.full: Dict[tuple, List[CallIO]] = {}  # step signature -> its calls' record, from its settling step
         self.made: Dict[int, tuple] = {}  # id of an output of this step's calls -> (its CallIO, index, weakref)
-        self.made_storages: Dict[int, Callable[[], bool]] = {}  # this step's calls' output storages -> expired
-        # the same storages -> (the CallIO of the call that made it, the storage's index in it)
+        # this step's calls' output storages -> (the CallIO of the call that made it, the storage's index there)
         self.made_at: Dict[int, Tuple["CallIO", int]] = {}
         self.backward_began = False
         self.leaves: Optional[Dict[int, weakref.ref]] = None  # while remat.fit collects them: the inputs needing grad
@@ -1087,7 +1086,7 @@ class _Step:
             # runs again. (It was not planned at all until it ran again: a job alternating two step shapes,
             # or two models, ran each shape's second step at its first calls' plans, over the limit.)
             newer = not graph.entered and all(graph.index > g.index for g in self.last)
-            self.calls, self.made, self.made_storages, self.made_at, self.backward_began = [], {}, {}, {}, False
+            self.calls, self.made, self.made_at, self.backward_began = [], {}, {}, False
             self.found_there = []
             self.number += 1
             self.auto = {k: v for k, v in self.auto.items() if k >= self.number}
@@ -1185,13 +1184,12 @@ class _Step:
                 # (a storage's address is used again once it is freed) nor of a parameter: its bytes
                 # are the step's, which no graph's estimate counts
                 key = storage_key(a)
-                expired = self.made_storages.get(key)
-                if key is not None and (expired is None or expired()) and key not in external:
+                at = self.made_at.get(key)
+                if key is not None and (at is None or at[0].expired[at[1]]()) and key not in external:
                     external.add(key)
                     io.external.append((m, int(a.untyped_storage().nbytes()), key))
         for k, ref in enumerate(io.outputs):
             self.made[id(ref())] = (io, k, ref)
-        self.made_storages.update(zip(io.keys, io.expired))
         self.made_at.update((key, (io, s)) for s, key in enumerate(io.keys))
         self.calls.append((graph, weakref.ref(pending), io))
         return self.calls[-1][1]

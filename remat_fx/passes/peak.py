@@ -689,7 +689,7 @@ def fit_peak(cut, feasible: Callable, budgets, cap: Optional[int], fraction: Opt
     found, over = _fit_peak(cut, feasible, budgets, cap, fraction)
     span = found[2].peak_span
     found = found if alike is None else _final_alike(cut, budgets, found, over, alike)
-    found[2].peak_span, found[2].peak_fraction = span, fraction
+    found[2].peak_span = span  # (its fraction: set by the partition, on a plan cache's replay too)
     return _as_asked(cut, budgets, found)
 
 
