@@ -1,15 +1,27 @@
 import gc
 import os
 
-import pytest
-import torch
+# Each pytest-xdist worker gets its share of the cores for torch's intra-op threads (OpenMP), set
+# before torch starts them: on 2 cores, 2 workers of 2 threads each left OpenMP's spinning threads
+# contending for the cores, and the suite took 1116 s; on 1 thread each, 847 s (2026-12-07). The
+# subprocesses tests start (the plan cache's processes) inherit it. Inductor's C++ kernels depend on
+# the thread count: tests/test_peak.py runs its 8-layer Llama at 2 threads and at 1.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if _workers > 1:  # torch may have been imported before this file: set it here too
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # the plan cache (remat_fx/plan_cache.py) off for the suite, its subprocesses included: a test that
 # compiles a graph an earlier test compiled would otherwise replay that search instead of running it
 # (tests/test_plan_cache.py turns it on, in a folder of its own)
 os.environ["REMAT_FX_PLAN_CACHE"] = "0"
 
-from tests import helpers
+from tests import helpers  # noqa: E402
 
 
 def pytest_collection_finish(session):
