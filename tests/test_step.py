@@ -1986,6 +1986,25 @@ def test_fits_search_finds_the_largest_budget_that_measures_under_the_target_in_
         if same:
             assert len(calls) <= 3, (case, calls, start, want)
 
+    # a step whose measured peak is far over every estimate (an eager LM head and loss outside the
+    # graphs), over the target at every budget: the start, then the smallest budget, and no walk
+    # down the budgets between them (a review: 14 measurements of a Llama's step under Inductor)
+    measured = [10_000 - 500 * i for i in range(n)]  # 10,000 .. 3,500
+    estimates = [m - 5_000 for m in measured]
+    calls = []
+
+    def evaluate(f):
+        calls.append(f)
+        return measured[f]
+
+    assert _largest_fitting(list(range(n)), 0, evaluate, estimates.__getitem__, 3_000) is None
+    assert calls == [0, n - 1]
+    # ... and where the estimate is less off at the smallest budget, which fits: found from there
+    estimates[-1] = measured[-1] - 1_000
+    calls.clear()
+    assert _largest_fitting(list(range(n)), 0, evaluate, estimates.__getitem__, 3_500) == n - 1
+    assert calls == [0, n - 1, n - 2]
+
 
 def test_fit_measures_every_plan_with_the_gradients_set_to_none(monkeypatch):
     """remat.fit sets the step's gradients to None before each measurement, so that every measured
