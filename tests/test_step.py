@@ -1991,12 +1991,7 @@ def test_fits_search_finds_the_largest_budget_that_measures_under_the_target_in_
     # down the budgets between them (a review: 14 measurements of a Llama's step under Inductor)
     measured = [10_000 - 500 * i for i in range(n)]  # 10,000 .. 3,500
     estimates = [m - 5_000 for m in measured]
-    calls = []
-
-    def evaluate(f):
-        calls.append(f)
-        return measured[f]
-
+    calls = []  # the loop's evaluate reads these names: it records and measures here too
     assert _largest_fitting(list(range(n)), 0, evaluate, estimates.__getitem__, 3_000) is None
     assert calls == [0, n - 1]
     # ... and where the estimate is less off at the smallest budget, which fits: found from there
