@@ -1,5 +1,7 @@
 """remat_fx.measure on the CPU: torch.profiler's allocation events (a private API, isolated in
 remat_fx/measure.py; checked on torch 2.13.0 and 2.14.1, the two versions CI runs)."""
+import gc
+
 import torch
 
 from remat_fx.measure import step_peak_bytes
@@ -43,6 +45,36 @@ def test_cpu_step_peak_credits_the_frees_of_its_own_allocations():
             torch.empty(1 << 20, dtype=torch.uint8).fill_(1)
 
     assert step_peak_bytes(step, "cpu") == 1 << 20
+
+
+def test_cpu_step_peak_does_not_credit_garbage_from_before_it_collected_during_it():
+    """The CPU measurement runs no collection first: garbage made before the call (a reference
+    cycle holding 4 MiB, made during an earlier measured call, so that the allocator knows its
+    size and its free makes an event) that the collector frees during the call lowers nothing;
+    the call's own 8 MiB are its peak."""
+    class Cycle:
+        pass
+
+    kept = []
+
+    def make():
+        cycle = Cycle()
+        cycle.me, cycle.block = cycle, torch.ones(1 << 20)
+        kept.append(cycle)
+
+    def step():
+        gc.collect()  # frees the cycle's 4 MiB inside the measured call
+        torch.empty(1 << 21).fill_(1)
+
+    enabled = gc.isenabled()
+    gc.disable()  # the cycle stays until the step collects it
+    try:
+        step_peak_bytes(make, "cpu")
+        kept.clear()
+        assert step_peak_bytes(step, "cpu") == 1 << 23
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def test_an_address_allocated_again_was_freed_in_between():
