@@ -322,6 +322,7 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
             STEP.planned[sig] = planned_before
         for g, options in restore_to.items():
             g.relower(options)
+        STEP.lowered_again(graphs)
 
     try:
         # and one budget for all the step's graphs (the entries are per graph: a graph another step
@@ -397,6 +398,7 @@ def fit(step: Callable[..., object], *args, peak, margin: float = 0.02, cache: O
         for g in graphs:
             record(g.plan)
             g.fit_limit = limit
+        STEP.lowered_again(graphs)
         result.fraction, result.measured = best, result.tried[best]
         if scope.directory is not None:
             _save(graphs, best, result.measured, scope)

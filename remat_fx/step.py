@@ -1344,6 +1344,19 @@ class _Step:
         for g in calls:
             g.settled = True
 
+    def lowered_again(self, graphs: Sequence[CompiledGraph]) -> None:
+        """``graphs`` were lowered again after the last step ran (remat.fit's choice, or the plans it
+        lowered back to after a failed search): that step's record takes the plans they have now, the
+        ones the next step runs, so that step_report() describes them (it gave the plan of fit's last
+        measurement, budget 0's least after a fit that found nothing: a review, 36% under the step's
+        estimate once lowered back)."""
+        now = {g.index: g for g in graphs}
+        records = [(tuple(g.index for g in self.last), self.last_io), *self.full.items()]
+        for sig, ios in records:
+            for index, io in zip(sig, ios):
+                if index in now and not isinstance(io, _Light):
+                    io.plan = now[index].plan
+
     def auto_limit(self) -> int:
         """``auto_limit()`` read once per step, at its start: at its first graph's compile, or at its
         first forward's call (enter) where a graph of the last step asked for "auto", before the step

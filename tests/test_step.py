@@ -1753,6 +1753,9 @@ def test_fit_names_the_least_measured_peak_when_nothing_fits():
                                              r".* Raise the limit to at least ([0-9,]+) bytes.* The step's graphs "
                                              r"are lowered back as they were before remat.fit's search") as info:
         remat.fit(step, peak=64 * 1024, cache=False)
+    # the report gives the plans lowered back, not those of the search's last measurement (budget 0's)
+    assert all(plan is g.plan for (_, plan, _), g in zip(remat.step_report().calls, STEP.finished()))
+    assert [float(plan.budget.budget) for _, plan, _ in remat.step_report().calls] == [0.9] * len(before)
     step()
     assert [g.active for g in STEP.finished()] == before  # memory_budget 0.9 again
     assert STEP.planned.get(tuple(g.index for g in STEP.finished())) != "fit"  # the step is its own again
@@ -1763,6 +1766,21 @@ def test_fit_names_the_least_measured_peak_when_nothing_fits():
         for margin in (0.02, 0.1, 0.0, 0.3333):
             limit = _at_least(m, margin)  # the least limit whose target (as fit computes it) takes m
             assert int(limit * (1 - margin)) >= m > int((limit - 1) * (1 - margin)), (m, margin, limit)
+
+
+def test_the_step_report_after_a_fit_gives_the_plans_the_fit_chose():
+    """remat.fit's search ends where it confirms its choice, on the budget above it, measured over the
+    target, and lowers the graphs back to its choice. The step's record, which remat.step_report()
+    reads, kept the plans of that last measurement until the next step ran: right after a fit that
+    met its limit, the report gave a plan over it (a review). It now gives the plans fit left."""
+    _, step = make({"lower": "eager"})
+    free = _measure(step)
+    result = remat.fit(step, peak=int(free * 0.8), cache=False)
+    assert list(result.tried)[-1] != result.fraction, result  # the last plan measured is not the one chosen
+    report, graphs = remat.step_report(), STEP.finished()
+    assert all(plan is g.plan for (_, plan, _), g in zip(report.calls, graphs))
+    assert {float(plan.budget.budget) for _, plan, _ in report.calls} == {result.fraction}
+    assert report.peak.peak <= int(free * 0.8), (report.peak.peak, result)
 
 
 def test_a_fit_that_fails_midway_lowers_the_step_back(monkeypatch):
