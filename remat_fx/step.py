@@ -49,7 +49,7 @@ from remat_fx.passes.budget import BudgetInfeasible
 from remat_fx.passes import lower as _lower_module
 from remat_fx.passes.lower import copy_dynamo_graph as _copy_dynamo_graph
 from remat_fx.passes.lower import lower
-from remat_fx.passes.peak import PeakInfeasible
+from remat_fx.passes.peak import PeakEstimate, PeakInfeasible
 from remat_fx.passes.plan import Plan, last_plan
 from remat_fx.passes.plan import record as record_plan
 from remat_fx.passes.plan import unrecorded
@@ -1603,15 +1603,22 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, options: BackendOptions) 
         except (PeakInfeasible, BudgetInfeasible) as e:
             if step_limit_given(options) is None:
                 raise
-            if isinstance(e, PeakInfeasible) and per_graph.peak_budget is not None and \
-                    _fits_once_released(graph, per_graph):
-                return graph
+            least = None
+            if isinstance(e, PeakInfeasible) and per_graph.peak_budget is not None:
+                fits, least = _fits_once_released(graph, per_graph)
+                if fits:
+                    return graph
             # the least it names is this graph's, at its first call: a step that calls it again, or
             # other graphs, needs more (it read as the step's least, and a limit raised to it failed
-            # again on the next step)
+            # again on the next step); one that frees the graph's outputs before its backward, less
+            released = "" if least is None or not least.held else (
+                f" Its least holds its outputs ({fmt_bytes(least.held)}) through its backward: a step that frees "
+                f"them first (a loss reduced from them) may peak lower, down to {fmt_bytes(least.step - least.held)} "
+                f"({least.step - least.held:,} bytes) for this graph, a limit met from the second step.")
             raise _noted(e, f"That is graph {graph.index} alone, compiled at its first call, before the rest of "
-                            f"the step is known: a step that calls it again, or calls other graphs, needs more. A "
-                            f"first step with a {step_limit_given(options)} of 0 shows the step's least in "
+                            f"the step is known: a step that calls it again, or calls other graphs, needs more."
+                            f"{released} "
+                            f"A first step with a {step_limit_given(options)} of 0 shows the step's least in "
                             f"remat.step_report().") from None
         return graph
     try:
@@ -1744,22 +1751,23 @@ def _hold_first_step(graph: CompiledGraph) -> None:
              graph.index, times + 1, " and ".join(over), fmt_bytes(graph.plan.peak.step))
 
 
-def _fits_once_released(graph: CompiledGraph, options: BackendOptions) -> bool:
+def _fits_once_released(graph: CompiledGraph, options: BackendOptions) -> Tuple[bool, Optional[PeakEstimate]]:
     """Whether a graph that cannot meet its byte ``peak_budget`` alone, at its first call, may meet it
     in its step: its plan of the least estimated peak is lowered instead, and kept (the step is
     planned as a whole once it has run, ``graph.over``) where that peak less the outputs it holds is
     within the limit. The estimate holds its outputs until its backward; a step whose code drops
     them first (a loss reduced from the model's output, whose backward frees it before the graph's)
     peaks lower, as its record shows once it has run (``released_bytes``). Else the graph is
-    lowered back as it was and False."""
+    lowered back as it was and False. With it, the least plan's estimated peak (None: none found)."""
     graph.gm = _copy_dynamo_graph(graph.pristine)  # as Dynamo made it: the failed lowering may have begun
     least = dataclasses.replace(options, peak_budget=None, peak_fraction=0.0)
     try:
         graph.compile(least)
     except (PeakInfeasible, BudgetInfeasible):
-        fits = False
+        fits, peak = False, None
     else:
-        fits = graph.plan.peak.step - graph.plan.peak.held <= options.peak_budget
+        peak = graph.plan.peak
+        fits = peak.step - peak.held <= options.peak_budget
     if fits:
         graph.over = True
         log.warning("remat_fx: graph %d alone cannot meet peak_budget %s at its first call (its least estimated "
@@ -1767,9 +1775,9 @@ def _fits_once_released(graph: CompiledGraph, options: BackendOptions) -> bool:
                     "for now, and the step is planned as a whole once it has run: the limit holds from the next "
                     "step where the step frees those outputs first", graph.index, fmt_bytes(options.peak_budget),
                     fmt_bytes(graph.plan.peak.step), fmt_bytes(graph.plan.peak.held))
-        return True
+        return True, peak
     graph.gm = _copy_dynamo_graph(graph.pristine)
-    return False
+    return False, peak
 
 
 def _noted(error: Exception, note: str) -> Exception:
@@ -2546,6 +2554,9 @@ class StepReport:
     # (the fraction, (the bytes it resolved to, the step's least estimated peak, its peak without a
     # budget)), the two last None where its one graph resolved it
     fraction: Optional[Tuple[float, Optional[Tuple[int, Optional[int], Optional[int]]]]] = None
+    # the fraction's range is its one graph's own estimates, which hold the graph's outputs through its
+    # backward (a step that frees them first peaks under that range's least)
+    fraction_by_graph: bool = False
 
     @property
     def graphs(self) -> Dict[int, Plan]:
@@ -2569,7 +2580,8 @@ class StepReport:
                     f" ({fmt_bytes(counted)} with the inputs saved, as a byte memory_budget counts them)")
                  + ("" if self.limit is None or self.fit_limit is not None else
                     f"; peak_budget {fmt_bytes(self.limit)}")
-                 + ("" if self.fraction is None or self.fit_limit is not None else _fraction_said(*self.fraction))
+                 + ("" if self.fraction is None or self.fit_limit is not None else
+                    _fraction_said(*self.fraction, by_graph=self.fraction_by_graph))
                  + ("" if self.fit_limit is None else
                     f"; planned by remat.fit to a measured peak of {fmt_bytes(self.fit_limit)}"
                     + ("" if self.limit is None else
@@ -2604,7 +2616,8 @@ class StepReport:
         return "\n".join(lines)
 
 
-def _fraction_said(fraction: float, resolved: Optional[Tuple[int, Optional[int], Optional[int]]]) -> str:
+def _fraction_said(fraction: float, resolved: Optional[Tuple[int, Optional[int], Optional[int]]],
+                   by_graph: bool = False) -> str:
     """A fraction peak_budget in the step report's first line: the bytes the step resolved it to."""
     if resolved is None:
         return (f"; peak_budget {fraction:g} (a fraction: each graph resolved it on its own range, see "
@@ -2612,6 +2625,10 @@ def _fraction_said(fraction: float, resolved: Optional[Tuple[int, Optional[int],
     limit, least, top = resolved
     if least is None:
         return f"; peak_budget {fraction:g}: {fmt_bytes(limit)}, as its graph resolved it (remat.last_plan())"
+    if by_graph:  # a review: "the step's least estimated peak, 217.38 KiB" beside a step estimated at 209.38
+        return (f"; peak_budget {fraction:g}: {fmt_bytes(limit)} ({fraction:g} of the way from its graph's least "
+                f"estimated peak, {fmt_bytes(least)}, to its peak without a budget, {fmt_bytes(top)}: the graph's "
+                f"own estimates, which hold its outputs through its backward)")
     return (f"; peak_budget {fraction:g}: {fmt_bytes(limit)} ({fraction:g} of the way from the step's least "
             f"estimated peak, {fmt_bytes(least)}, to its peak without a budget, {fmt_bytes(top)})")
 
@@ -2632,6 +2649,14 @@ def _fraction_of(calls: Sequence[CompiledGraph]):
     return peak.fraction, None
 
 
+def _fraction_by_graph(calls: Sequence[CompiledGraph]) -> bool:
+    """Whether :func:`_fraction_of` resolved the fraction on its one graph's own range (with its least)."""
+    found = _fraction_of(calls)
+    plan = STEP.step_plan
+    stepwise = plan is not None and plan.calls == _signature(calls) and plan.limit is not None and plan.tried
+    return found is not None and found[1] is not None and found[1][1] is not None and not stepwise
+
+
 def step_report() -> StepReport:
     """Every compiled graph of the last training step (the step in progress once its backward has
     begun), with saved bytes and estimated peaks per call, and the estimated peak of the whole step."""
@@ -2649,7 +2674,8 @@ def step_report() -> StepReport:
                       grads_found(costs, sharding, kind == "held") if kind.startswith("held") else 0,
                       STEP.eager_loss if calls and STEP.eager_loss is not None and STEP.eager_loss < len(calls)
                       else None,
-                      calls[0].fit_limit if calls else None, _fraction_of(calls))
+                      calls[0].fit_limit if calls else None, _fraction_of(calls),
+                      _fraction_by_graph(calls))
 
 
 def step_estimate(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[CompiledGraph], Plan]] = None) -> int:

@@ -1625,13 +1625,16 @@ def test_a_one_graph_steps_fraction_peak_budget_is_reported_with_the_range_its_g
     least, top = plan.peak_span
     assert plan.peak_budget == least + int(0.5 * (top - least)) and least < top, (plan.peak_budget, plan.peak_span)
     assert report.fraction == (0.5, (plan.peak_budget, least, top)), report.fraction
-    range_said = (f"0.5 of the way from the {{}}least estimated peak, {fmt_bytes(least)}, to {{}} peak without a "
-                  f"budget, {fmt_bytes(top)})")
-    assert (f"; peak_budget 0.5: {fmt_bytes(plan.peak_budget)} (" + range_said.format("step's ", "its")
-            in str(report)), str(report)
+    range_said = (f"0.5 of the way from {{}}least estimated peak, {fmt_bytes(least)}, to {{}} peak without a "
+                  f"budget, {fmt_bytes(top)}")
+    # the graph's range, said as the graph's (it said "the step's least", over the step's own estimate where
+    # the step frees the graph's outputs before its backward: a review)
+    assert (f"; peak_budget 0.5: {fmt_bytes(plan.peak_budget)} (" + range_said.format("its graph's ", "its")
+            + ": the graph's own estimates, which hold its outputs through its backward)" in str(report)), str(report)
     assert str(report).startswith("remat step: 1 call of 1 compiled graph; "), str(report)
     # the plan says the fraction and its range too (it said only the bytes, a review)
-    assert (f", peak_budget 0.5: {fmt_bytes(plan.peak_budget)} (" + range_said.format("", "the") + " (") in str(plan), \
+    plan_said = f", peak_budget 0.5: {fmt_bytes(plan.peak_budget)} (" + range_said.format("the ", "the") + ") ("
+    assert plan_said in str(plan), \
         str(plan)
 
 
@@ -2409,8 +2412,13 @@ def test_a_limit_the_graph_alone_misses_by_the_outputs_its_step_frees_is_met_fro
     torch._dynamo.reset()
     STEP.reset()
     under = torch.compile(model, backend="remat", options={"lower": "eager", "peak_budget": least - 4096})
+    # ... and where the step may peak lower: the named lowest holds the outputs, which this step frees
+    # (it named only the graph's least holding them, 8 KiB over the step's: a review)
     with pytest.raises(PeakInfeasible,
-                       match=r"(?s)the lowest is .*That is graph \d+ alone, compiled at its first call"):
+                       match=r"(?s)the lowest is .*That is graph \d+ alone, compiled at its first call.* Its least "
+                             rf"holds its outputs \({re.escape(fmt_bytes(plan.peak.held))}\) through its backward: a "
+                             rf"step that frees them first \(a loss reduced from them\) may peak lower, down to "
+                             rf"{re.escape(fmt_bytes(least))} \({least:,} bytes\) for this graph"):
         step_of(under)()
 
 
