@@ -208,6 +208,9 @@ def _limit(peak) -> int:
             number = float(peak)
         except ValueError:
             number = None
+        if number is not None and 1 < number < 2**63 and number == int(number):  # '1e9', '4096': bytes, likely
+            raise ValueError(f"{_PEAK_HINT}, got the string {peak!r}, a number without a unit: pass the int "
+                             f"{int(number)} for bytes, or give the unit, e.g. '{int(number)}B'")
         if number is not None and math.isfinite(number) and number > 0:  # (parse_budget's says a fraction is taken)
             raise ValueError(f"{_PEAK_HINT}, got the string {peak!r}, a number without a unit: give the unit, e.g. "
                              f"'{peak.strip()}GiB', or pass an int number of bytes")

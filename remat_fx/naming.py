@@ -20,6 +20,9 @@ def _as_patterns(value, option: str) -> tuple:
         value = [value]
     if isinstance(value, dict):  # its keys would be read as the globs, its values dropped
         raise ValueError(f"option {option!r} must be a glob string or a list of them, got a dict {value!r}")
+    if isinstance(value, (bytes, bytearray)):  # read one by one, its bytes were named as ints (got 120)
+        raise ValueError(f"option {option!r} must be a glob string or a list of them, got {type(value).__name__} "
+                         f"{value!r}: decode it to a str")
     try:
         pats = tuple(value)
     except TypeError:

@@ -130,6 +130,10 @@ def valid_options() -> str:
 def did_you_mean(name, valid) -> str:
     """``" (did you mean 'x'?)"`` for the closest of ``valid`` to ``name``, else an empty string."""
     close = difflib.get_close_matches(name, list(valid), n=1) if isinstance(name, str) else []
+    if not close and isinstance(name, str) and len(name) >= 3:  # 'peak': too short for difflib
+        close = [v for v in valid if isinstance(v, str) and v.startswith(name)][:3]
+        if close:
+            return f" (did you mean {' or '.join(repr(c) for c in close)}?)"
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

@@ -35,6 +35,10 @@ def _compile(fn, **options):
                                         r"mean 'flops_per_s'\?\)"),
     ({"lower": "triton"}, r"option 'lower' must be one of \['inductor', 'eager'\], got 'triton'"),
     ({"save": [1]}, r"option 'save' must hold glob strings, got 1"),
+    # bytes were read one by one, the first named as the int 120; a prefix too short for difflib got no
+    # suggestion (a review)
+    ({"save": b"x"}, r"option 'save' must be a glob string or a list of them, got bytes b'x': decode it to a str"),
+    ({"peak": 0.3}, r"^backend 'remat': unknown option 'peak': did you mean 'peak_budget' or 'peak_slack'\?\n"),
     ({"report": "yes"}, r"option 'report' must be True or False"),
     ({"monotone": "grid", "memory_budget": 0.3, "peak_slack": 0},
      r"option 'monotone'='grid' holds a memory_budget's estimated peak under the larger budgets' peaks, and "

@@ -1651,6 +1651,9 @@ def test_peak_budget_and_fit_limits_are_checked_when_given():
                        ("5 parsecs", r"got '5 parsecs' \(units: "), ([1], r"got list \[1\]"),
                        ("0.5", r"got the string '0.5', a number without a unit: give the unit, e.g. '0.5GiB', or "
                                r"pass an int number of bytes"),
+                       # a whole number of bytes without a unit: not '1e9GiB', 2**30 times it (a review)
+                       ("1e9", r"got the string '1e9', a number without a unit: pass the int 1000000000 for bytes, "
+                               r"or give the unit, e.g. '1000000000B'$"),
                        (1, r"got 1: no step peaks at 1 byte\(s\) or under")):
         with pytest.raises(ValueError, match=r"remat.fit's peak must be a size with a unit .*, an int number of "
                                              r"bytes, or 'auto' .*" + said):
