@@ -952,3 +952,37 @@ def test_dropout_keeps_its_bool_mask_not_the_float_draw(budget):
     assert [(s.dtype, s.bytes) for s in masks] == [(torch.bool, 16 * 128)] * 4, str(plan)
     assert [s for s in plan.saved if s.reason.startswith("random op")] == [], str(plan)
     assert held == plan.total_bytes
+
+
+def test_a_byte_budget_the_plan_without_a_budget_meets_is_kept_with_every_forward_value_tagged_save():
+    """With save=["*"] nothing can be recomputed, and the plan without a budget is every plan. The
+    min-cut saves gelu's 1 + erf(x / sqrt 2), a backward formula's value made of forward ones, where
+    the budget's problem (forward values only) saves what it reads: the problem's least, 312 KiB
+    here, was over that plan's 216 KiB, and a memory_budget the plan meets was refused as below the
+    feasible minimum (a review). The feasible minimum is that plan's bytes: a byte budget at them keeps
+    it, with the gradients of no budget, and one under them is refused naming them."""
+    from remat_fx.memory_budget import fmt_bytes
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.Sequential(*(m for _ in range(3) for m in (
+                torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))))
+
+        def forward(self, x):
+            return self.layers(x).square().mean()
+
+    torch.manual_seed(0)
+    model = Net()
+    inputs = (torch.randn(64, 32, requires_grad=True),)
+    _, want, _, unbudgeted = _step(model, inputs, {"save": ["*"]})
+    least = unbudgeted.total_bytes
+    for budget in (f"{least}B", 0.0):
+        _, grads, held, plan = _step(model, inputs, {"save": ["*"], "memory_budget": budget})
+        _close(grads, want)
+        assert plan.total_bytes == held == least
+        assert plan.budget.minimum == plan.budget.maximum == least, plan.budget
+        assert f"every plan saves {fmt_bytes(least)}), achieved {fmt_bytes(least)}" in str(plan.budget), plan.budget
+    with pytest.raises(B.BudgetInfeasible, match=rf"below the feasible minimum {re.escape(fmt_bytes(least))} "
+                                               rf"\({least:,} bytes\)"):
+        _step(model, inputs, {"save": ["*"], "memory_budget": f"{least - 4096}B"})

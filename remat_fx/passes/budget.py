@@ -611,6 +611,13 @@ def apply_budget(joint: JointGraph, tags, plan, budgets: Dict[Optional[str], Bud
         # make the rest save more (what it would have recomputed from), so the overall budget's fraction 0
         # is that, and fraction 1 at least that; the searches' lower targets (passes/peak.py) go no lower
         min_bytes, min_saved = minimum(problem, time_limit=limit, group_targets=group_targets)
+    if not group_targets and plan.total_bytes < min_bytes:
+        # the plan without a budget saves less than the problem's least: the min-cut may save a value a
+        # backward formula makes of forward ones (gelu's 1 + erf(x / sqrt 2)), which the problem does not
+        # model, in place of what it reads. Where every forward value is tagged SAVE (save=["*"]) nothing
+        # else is left to drop, and the problem's least was over that plan: memory_budget="216KiB" was
+        # refused as below a feasible minimum of 312 KiB, which the plan without a budget met (a review)
+        min_bytes, min_saved = plan.total_bytes, saved_now
     maximum = max(maximum, min_bytes)
     if budget is not None:
         target = budget.target(min_bytes, maximum)
