@@ -2552,7 +2552,7 @@ class StepReport:
     fit_limit: Optional[int] = None  # the peak remat.fit planned the step's graphs under (it replaces ``limit``)
     # a fraction peak_budget: (the fraction, None) where each graph resolved it on its own range; else
     # (the fraction, (the bytes it resolved to, the step's least estimated peak, its peak without a
-    # budget)), the two last None where its one graph resolved it
+    # budget)), the two last None where its one graph resolved it without a range
     fraction: Optional[Tuple[float, Optional[Tuple[int, Optional[int], Optional[int]]]]] = None
     # the fraction's range is its one graph's own estimates, which hold the graph's outputs through its
     # backward (a step that frees them first peaks under that range's least)
@@ -2633,28 +2633,21 @@ def _fraction_said(fraction: float, resolved: Optional[Tuple[int, Optional[int],
             f"estimated peak, {fmt_bytes(least)}, to its peak without a budget, {fmt_bytes(top)})")
 
 
-def _fraction_of(calls: Sequence[CompiledGraph]):
-    """StepReport.fraction of the step of ``calls``: its fraction peak_budget, and the bytes it was
-    resolved to: by the step's whole-step plan where that is this step's, else by its one graph."""
+def _fraction_resolved(calls: Sequence[CompiledGraph]):
+    """StepReport.fraction of the step of ``calls`` (its fraction peak_budget, and the bytes it was
+    resolved to: by the step's whole-step plan where that is this step's, else by its one graph), and
+    StepReport.fraction_by_graph (its one graph resolved it on the graph's own range)."""
     peak = calls[0].options.step_peak if calls else None
     if peak is None or peak == "auto" or peak.nbytes is not None:
-        return None
+        return None, False
     plan = STEP.step_plan
     if plan is not None and plan.calls == _signature(calls) and plan.limit is not None and plan.tried:
         peaks = [p for p, _ in plan.tried.values()]
-        return peak.fraction, (plan.limit, min(peaks), peaks[0])
+        return (peak.fraction, (plan.limit, min(peaks), peaks[0])), False
     plan = calls[0].plan
     if len(set(calls)) == 1 and plan is not None and plan.peak_budget is not None and plan.peak_fraction is not None:
-        return peak.fraction, (plan.peak_budget, *(plan.peak_span or (None, None)))
-    return peak.fraction, None
-
-
-def _fraction_by_graph(calls: Sequence[CompiledGraph]) -> bool:
-    """Whether :func:`_fraction_of` resolved the fraction on its one graph's own range (with its least)."""
-    found = _fraction_of(calls)
-    plan = STEP.step_plan
-    stepwise = plan is not None and plan.calls == _signature(calls) and plan.limit is not None and plan.tried
-    return found is not None and found[1] is not None and found[1][1] is not None and not stepwise
+        return (peak.fraction, (plan.peak_budget, *(plan.peak_span or (None, None)))), plan.peak_span is not None
+    return (peak.fraction, None), False
 
 
 def step_report() -> StepReport:
@@ -2674,8 +2667,7 @@ def step_report() -> StepReport:
                       grads_found(costs, sharding, kind == "held") if kind.startswith("held") else 0,
                       STEP.eager_loss if calls and STEP.eager_loss is not None and STEP.eager_loss < len(calls)
                       else None,
-                      calls[0].fit_limit if calls else None, _fraction_of(calls),
-                      _fraction_by_graph(calls))
+                      calls[0].fit_limit if calls else None, *_fraction_resolved(calls))
 
 
 def step_estimate(calls: Sequence[CompiledGraph], plan_of: Optional[Callable[[CompiledGraph], Plan]] = None) -> int:
