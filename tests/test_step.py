@@ -1786,7 +1786,10 @@ def test_the_step_report_after_a_fit_gives_the_plans_the_fit_chose():
     report, graphs = remat.step_report(), STEP.finished()
     assert all(plan is g.plan for (_, plan, _), g in zip(report.calls, graphs))
     assert {float(plan.budget.budget) for _, plan, _ in report.calls} == {result.fraction}
-    assert report.peak.peak <= int(free * 0.8), (report.peak.peak, result)
+    # the step's estimate under them is what fit measured of them (the eager lowering's step is its
+    # estimate here: 8,728,832 bytes against 8.32 MiB measured; the report of budget 0.9's plan was over
+    # the limit, 10.32 MiB measured)
+    assert abs(report.peak.peak - result.measured) <= 0.02 * result.measured, (report.peak.peak, result)
 
 
 def test_a_fit_that_fails_midway_lowers_the_step_back(monkeypatch):
